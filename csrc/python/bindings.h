@@ -1,0 +1,11 @@
+// Internal: the pieces of the smp._C module, one init function per area (TransformerEngine style).
+#pragma once
+
+#include <torch/extension.h>
+
+namespace smp::python {
+
+void init_topology_bindings(pybind11::module_& m);
+void init_comm_bindings(pybind11::module_& m);
+
+}  // namespace smp::python
