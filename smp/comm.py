@@ -1,0 +1,258 @@
+"""Rank helpers, process groups and object collectives (api.md §2).
+
+Groups: pp (the other stages of my model replica), tp (the ranks sharing my distributed modules),
+dp (ranks holding my stage, tp included), rdp (same stage and same TP slice), mp (pp groups of my
+tp group). Object collectives move picklable Python objects, never in a hot loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch.distributed as dist
+
+from smp.state import get_state
+
+__all__ = [
+    "CommGroup",
+    "RankType",
+    "WORLD",
+    "PP_GROUP",
+    "TP_GROUP",
+    "DP_GROUP",
+    "RDP_GROUP",
+    "MP_GROUP",
+    "WORLD_RANK",
+    "PP_RANK",
+    "TP_RANK",
+    "DP_RANK",
+    "RDP_RANK",
+    "MP_RANK",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "pp_rank",
+    "pp_size",
+    "tp_rank",
+    "tp_size",
+    "dp_rank",
+    "dp_size",
+    "rdp_rank",
+    "rdp_size",
+    "mp_rank",
+    "mp_size",
+    "get_world_process_group",
+    "get_pp_process_group",
+    "get_tp_process_group",
+    "get_dp_process_group",
+    "get_rdp_process_group",
+    "get_mp_process_group",
+    "broadcast",
+    "send",
+    "recv_from",
+    "allgather",
+    "barrier",
+]
+
+
+class CommGroup(enum.Enum):
+    """A group for object collectives."""
+
+    WORLD = "world"
+    PP_GROUP = "pp"
+    TP_GROUP = "tp"
+    DP_GROUP = "dp"
+    RDP_GROUP = "rdp"
+    MP_GROUP = "mp"
+
+
+class RankType(enum.Enum):
+    """How a peer's rank is counted: its index in the named group of the caller."""
+
+    WORLD_RANK = "world"
+    PP_RANK = "pp"
+    TP_RANK = "tp"
+    DP_RANK = "dp"
+    RDP_RANK = "rdp"
+    MP_RANK = "mp"
+
+
+WORLD, PP_GROUP, TP_GROUP, DP_GROUP, RDP_GROUP, MP_GROUP = CommGroup
+WORLD_RANK, PP_RANK, TP_RANK, DP_RANK, RDP_RANK, MP_RANK = RankType
+
+
+def rank() -> int:
+    """This process' rank in the whole job."""
+    return get_state().rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return get_state().world_size
+
+
+def local_rank() -> int:
+    """This process' index on its machine."""
+    return get_state().local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this machine."""
+    return get_state().local_size
+
+
+def pp_rank() -> int:
+    """The pipeline stage this rank holds."""
+    return get_state().axis_rank("pp")
+
+
+def pp_size() -> int:
+    return get_state().axis_size("pp")
+
+
+def tp_rank() -> int:
+    """This rank's slice of the tensor-parallel modules."""
+    return get_state().axis_rank("tp")
+
+
+def tp_size() -> int:
+    return get_state().axis_size("tp")
+
+
+def dp_rank() -> int:
+    """This rank's index among the ranks holding the same stage; use it to shard data."""
+    return get_state().axis_rank("dp")
+
+
+def dp_size() -> int:
+    return get_state().axis_size("dp")
+
+
+def rdp_rank() -> int:
+    return get_state().axis_rank("rdp")
+
+
+def rdp_size() -> int:
+    return get_state().axis_size("rdp")
+
+
+def mp_rank() -> int:
+    return get_state().axis_rank("mp")
+
+
+def mp_size() -> int:
+    return get_state().axis_size("mp")
+
+
+def get_world_process_group() -> dist.ProcessGroup:
+    """smp's group over every rank (created with ``timeout_s``)."""
+    return get_state().groups["world"]
+
+
+def get_pp_process_group() -> dist.ProcessGroup:
+    return get_state().groups["pp"]
+
+
+def get_tp_process_group() -> dist.ProcessGroup:
+    return get_state().groups["tp"]
+
+
+def get_dp_process_group() -> dist.ProcessGroup:
+    return get_state().groups["dp"]
+
+
+def get_rdp_process_group() -> dist.ProcessGroup:
+    return get_state().groups["rdp"]
+
+
+def get_mp_process_group() -> dist.ProcessGroup:
+    return get_state().groups["mp"]
+
+
+def _group_name(group: CommGroup | str) -> str:
+    if isinstance(group, CommGroup):
+        return group.value
+    if isinstance(group, str) and group in {g.value for g in CommGroup}:
+        return group
+    raise ValueError(
+        f"smp: group must be one of smp.CommGroup ({', '.join(g.name for g in CommGroup)}), "
+        f"got {group!r}"
+    )
+
+
+def _rank_type_name(rank_type: RankType | str) -> str:
+    if isinstance(rank_type, RankType):
+        return rank_type.value
+    if isinstance(rank_type, str) and rank_type in {r.value for r in RankType}:
+        return rank_type
+    raise ValueError(
+        f"smp: rank_type must be one of smp.RankType ({', '.join(r.name for r in RankType)}), "
+        f"got {rank_type!r}"
+    )
+
+
+def _send_object(obj: Any, world_dst: int) -> None:
+    state = get_state()
+    if world_dst == state.rank:
+        raise ValueError(f"smp: rank {state.rank} cannot send an object to itself")
+    dist.send_object_list([obj], dst=world_dst, group=state.groups["world"], device=_comm_device())
+
+
+def _comm_device():
+    state = get_state()
+    return state.device if state.backend == "nccl" else None
+
+
+def broadcast(obj: Any, group: CommGroup | str = CommGroup.WORLD) -> None:
+    """Sends ``obj`` to every other member of this rank's ``group``.
+
+    Only the sender calls ``broadcast``; each receiver calls ``smp.recv_from(sender, rank_type)``.
+
+    Example:
+        if smp.dp_rank() == 0:
+            smp.broadcast(config, smp.DP_GROUP)
+        else:
+            config = smp.recv_from(0, smp.DP_RANK)
+    """
+    state = get_state()
+    for member in state.group_ranks[_group_name(group)]:
+        if member != state.rank:
+            _send_object(obj, member)
+
+
+def send(obj: Any, dest: int, rank_type: RankType | str = RankType.WORLD_RANK) -> None:
+    """Sends ``obj`` to the rank whose index in this rank's ``rank_type`` group is ``dest``.
+
+    The receiver calls ``smp.recv_from(<my index>, rank_type)``.
+    """
+    state = get_state()
+    _send_object(obj, state.world_rank_of(_rank_type_name(rank_type), dest))
+
+
+def recv_from(src: int, rank_type: RankType | str = RankType.WORLD_RANK) -> Any:
+    """Receives an object sent by ``smp.send`` or ``smp.broadcast`` from ``src`` (a ``rank_type``
+    index in this rank's group)."""
+    state = get_state()
+    world_src = state.world_rank_of(_rank_type_name(rank_type), src)
+    if world_src == state.rank:
+        raise ValueError(f"smp: rank {state.rank} cannot receive an object from itself")
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=world_src, group=state.groups["world"], device=_comm_device())
+    return box[0]
+
+
+def allgather(obj: Any, group: CommGroup | str = CommGroup.WORLD) -> list[Any]:
+    """Every member of ``group`` contributes ``obj``; returns the list ordered by group index."""
+    state = get_state()
+    name = _group_name(group)
+    out: list[Any] = [None] * state.axis_size(name)
+    dist.all_gather_object(out, obj, group=state.groups[name])
+    return out
+
+
+def barrier(group: CommGroup | str = CommGroup.WORLD) -> None:
+    """Blocks until every member of ``group`` has reached the barrier."""
+    state = get_state()
+    dist.barrier(group=state.groups[_group_name(group)])

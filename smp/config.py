@@ -1,0 +1,220 @@
+"""The smp configuration: the keys of ``smp.init(config)``, their defaults and their validation.
+
+Pure Python (stdlib only), so it imports without torch and without the ``smp._C`` extension.
+Every problem is reported as a ``ValueError`` that names the key, the value given and what is
+allowed, e.g. ``smp config: "microbatches" must be an int >= 1, got 0``.
+"""
+
+import dataclasses
+import difflib
+import itertools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["Config", "build_config"]
+
+_ALIASES = {"partitions": "pipeline_parallel_degree"}
+_PIPELINES = ("interleaved", "simple")
+_OPTIMIZE = ("speed", "memory")
+_BACKENDS = ("auto", "gloo", "nccl")
+_NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
+_PERMUTATIONS = tuple("".join(p) for p in itertools.permutations("DPT"))
+
+
+def _fail(key: str, allowed: str, value: Any) -> None:
+    raise ValueError(f'smp config: "{key}" must be {allowed}, got {value!r}')
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(key: str, value: Any, low: int, high: int | None = None) -> None:
+    """Requires ``low <= value`` (and ``value < high`` when given); bools are not ints here."""
+    ok = _is_int(value) and value >= low and (high is None or value < high)
+    if not ok:
+        _fail(key, f"an int >= {low}" if high is None else f"an int in [{low}, {high})", value)
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if not (isinstance(value, str) and value in choices):
+        _fail(key, "one of " + ", ".join(repr(c) for c in choices), value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A validated smp configuration (api.md §1); build it with :func:`build_config`.
+
+    Constructing it directly validates too. ``active_microbatches`` and ``memory_weight`` may be
+    given as None and are then resolved to their derived defaults, so they are never None after
+    construction.
+    """
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages the model is split over (alias ``partitions``)."""
+    tensor_parallel_degree: int = 1
+    """Ranks a distributed module is split over."""
+    microbatches: int = 1
+    """The batch given to a step function is split into this many microbatches."""
+    pipeline: str = "interleaved"
+    """``"interleaved"``: backward of a ready microbatch first (1F1B-like); ``"simple"``: all
+    forwards, then all backwards."""
+    active_microbatches: int | None = None
+    """Most microbatches in flight at once; None means ``min(pp + 2, microbatches)``."""
+    optimize: str = "speed"
+    """TP layout and partition weighting: ``"speed"`` (Megatron-style) or ``"memory"``."""
+    memory_weight: float | None = None
+    """Weight of memory against compute in the partition cost, in [0, 1]; None means 0.2 when
+    ``optimize == "speed"``, else 0.8."""
+    auto_partition: bool = True
+    """Let the partitioner place modules; False places them by ``default_partition``."""
+    default_partition: int = 0
+    """Partition of modules outside any ``smp.partition`` context when not auto-partitioning."""
+    placement_strategy: str = "cluster"
+    """Rank placement: ``"cluster"`` (= DPT), ``"spread"`` (= TPD), or a permutation of D, P, T
+    (right-most letter varies fastest)."""
+    ddp: bool = True
+    """Data parallelism over the ranks left after pp x tp."""
+    prescaled_batch: bool = False
+    """All ranks of a TP group receive the same batch (Megatron semantics)."""
+    shard_optimizer_state: bool = False
+    """Shard optimizer state across the data-parallel ranks holding the same parameters."""
+    offload_activations: bool = False
+    """Move checkpointed activations to host memory, bring them back before backward."""
+    activation_loading_horizon: int = 4
+    """How many offloaded activations may be resident ahead of their use."""
+    fp16: bool = False
+    """fp16 mixed precision (excludes ``bf16``)."""
+    bf16: bool = False
+    """bf16 mixed precision (excludes ``fp16``)."""
+    tensor_parallel_seed: int = 0
+    """Seed of random ops inside TP modules."""
+    delayed_parameter_initialization: bool = False
+    """Allocate parameters only on the rank that owns them, after partitioning."""
+    skip_tracing: bool = False
+    """Partition without the tracing pass (heuristic costs)."""
+    backend: str = "auto"
+    """``"nccl"`` when CUDA is available, else ``"gloo"``, unless forced to one of them."""
+    timeout_s: float = 300
+    """A collective or pipeline message waiting longer than this fails every rank."""
+
+    def __post_init__(self) -> None:
+        pp = self.pipeline_parallel_degree
+        _check_int("pipeline_parallel_degree", pp, 1)
+        _check_int("tensor_parallel_degree", self.tensor_parallel_degree, 1)
+        _check_int("microbatches", self.microbatches, 1)
+        _check_int("activation_loading_horizon", self.activation_loading_horizon, 1)
+        _check_int("tensor_parallel_seed", self.tensor_parallel_seed, 0)
+        _check_int("default_partition", self.default_partition, 0, pp)
+        for f in dataclasses.fields(self):
+            if f.type is bool and not isinstance(getattr(self, f.name), bool):
+                _fail(f.name, "a bool (True or False)", getattr(self, f.name))
+        _check_choice("pipeline", self.pipeline, _PIPELINES)
+        _check_choice("optimize", self.optimize, _OPTIMIZE)
+        _check_choice("backend", self.backend, _BACKENDS)
+        placement = self.placement_strategy
+        if not (isinstance(placement, str) and
+                (placement in _NAMED_PLACEMENTS or placement in _PERMUTATIONS)):
+            _fail("placement_strategy",
+                  '"cluster", "spread" or a permutation of the letters D, P, T (e.g. "PDT")',
+                  placement)
+        timeout = self.timeout_s
+        if not (isinstance(timeout, int | float) and not isinstance(timeout, bool)
+                and math.isfinite(timeout) and timeout > 0):
+            _fail("timeout_s", "a positive finite number of seconds", timeout)
+
+        weight = self.memory_weight
+        if weight is None:
+            weight = 0.2 if self.optimize == "speed" else 0.8
+        elif not (isinstance(weight, int | float) and not isinstance(weight, bool)
+                  and 0 <= weight <= 1):
+            _fail("memory_weight", "a number in [0, 1]", weight)
+        object.__setattr__(self, "memory_weight", float(weight))
+
+        active = self.active_microbatches
+        if active is None:
+            active = min(pp + 2, self.microbatches)
+        elif not (_is_int(active) and 1 <= active <= self.microbatches):
+            _fail("active_microbatches",
+                  f"an int in [1, microbatches={self.microbatches}]", active)
+        object.__setattr__(self, "active_microbatches", active)
+
+        if self.fp16 and self.bf16:
+            raise ValueError('smp config: "fp16" and "bf16" are mutually exclusive, '
+                             "got both True; enable at most one")
+
+    @property
+    def placement_order(self) -> str:
+        """The placement as a permutation of ``"DPT"`` (``"cluster"``/``"spread"`` resolved)."""
+        return _NAMED_PLACEMENTS.get(self.placement_strategy, self.placement_strategy)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a plain dict with every field (derived defaults resolved)."""
+        return dataclasses.asdict(self)
+
+
+_KEYS = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def _unknown_key(key: Any) -> ValueError:
+    message = f"smp config: unknown key {key!r}"
+    if isinstance(key, str):
+        close = difflib.get_close_matches(key, _KEYS + tuple(_ALIASES), n=3)
+        if close:
+            return ValueError(message + "; did you mean " +
+                              " or ".join(f'"{c}"' for c in close) + "?")
+    return ValueError(message + "; known keys: " + ", ".join(_KEYS + tuple(_ALIASES)))
+
+
+def build_config(user: Mapping[str, Any] | None, world_size: int | None = None) -> Config:
+    """Validates a user config dict and returns the resolved :class:`Config`.
+
+    Args:
+        user: The dict given to ``smp.init``; None or ``{}`` means all defaults. Not mutated.
+        world_size: When given, also checks that the world divides into pp x tp model replicas
+            and that data parallelism over the extra ranks is enabled.
+
+    Returns:
+        A frozen :class:`Config` with derived defaults resolved.
+
+    Raises:
+        ValueError: For an unknown key, a bad type or value, conflicting keys, or a world size
+            the degrees do not fit. The message names the key, the value and what is allowed.
+    """
+    if user is None:
+        user = {}
+    if not isinstance(user, Mapping):
+        raise ValueError(f"smp config: the config must be a dict or None, "
+                         f"got {type(user).__name__} {user!r}")
+    kwargs: dict[str, Any] = {}
+    for key in user:
+        if key not in _KEYS and key not in _ALIASES:
+            raise _unknown_key(key)
+    for alias, name in _ALIASES.items():
+        if alias in user and name in user and user[alias] != user[name]:
+            raise ValueError(f'smp config: "{name}" and its alias "{alias}" must agree, got '
+                             f"{name}={user[name]!r} and {alias}={user[alias]!r}; "
+                             "give only one of them")
+    for key, value in user.items():
+        name = _ALIASES.get(key, key)
+        if name not in kwargs or key == name:
+            kwargs[name] = value
+    config = Config(**kwargs)
+
+    if world_size is not None:
+        if not (_is_int(world_size) and world_size >= 1):
+            raise ValueError(f"smp config: world size must be an int >= 1, got {world_size!r}")
+        pp, tp = config.pipeline_parallel_degree, config.tensor_parallel_degree
+        mp = pp * tp
+        if world_size % mp:
+            raise ValueError(
+                f"smp config: world size {world_size} is not divisible by "
+                f'"pipeline_parallel_degree" ({pp}) x "tensor_parallel_degree" ({tp}) = {mp}; '
+                f"launch a multiple of {mp} processes or change the degrees")
+        if world_size > mp and not config.ddp:
+            raise ValueError(
+                f'smp config: "ddp" must be True when world size {world_size} exceeds '
+                f"pipeline_parallel_degree x tensor_parallel_degree = {mp} (data parallelism "
+                f"over the extra ranks), got False; set ddp=True or launch {mp} processes")
+    return config

@@ -1,0 +1,290 @@
+"""``smp.DistributedModel``: wraps any nn.Module for smp (api.md §3).
+
+This version runs pipeline_parallel_degree = tensor_parallel_degree = 1: every rank holds the whole
+model and smp adds microbatching and data parallelism. Gradient bookkeeping per step:
+
+  1. ``_begin_step``: gradients already present (from an earlier step the user did not zero, or
+     earlier passes of a ``backward_passes_per_step`` window) are set aside, so the reduction
+     below only ever touches this window's new gradients.
+  2. the step function runs; ``model.backward`` accumulates into ``.grad`` per microbatch.
+  3. ``smp.step`` agrees across ranks on success and on which parameters got a gradient anywhere
+     (a parameter unused on one rank but used on another still gets the right mean).
+  4. ``_finish_step``: at the end of a window the new gradients are all-reduced over dp as a sum,
+     then divided by (dp size × microbatches) — the mean over the global batch — and the set-aside
+     gradients are added back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp import _C
+from smp.state import get_state
+
+__all__ = ["DistributedModel"]
+
+_NOT_YET = {
+    "pipeline_parallel_degree": "pipeline parallelism",
+    "tensor_parallel_degree": "tensor parallelism",
+}
+_UNSUPPORTED_FLAGS = (
+    "fp16",
+    "bf16",
+    "shard_optimizer_state",
+    "offload_activations",
+    "delayed_parameter_initialization",
+)
+
+
+class DistributedModel(nn.Module):
+    """Wraps ``module`` so smp can run it across ranks.
+
+    Parameters and buffers are broadcast from dp rank 0 at wrap time so every replica starts equal.
+    Use ``model(...)`` and ``model.backward(loss)`` inside an ``@smp.step`` function.
+
+    Args:
+        module: any nn.Module; do not move it to a device yourself.
+        trace_device: "cpu" or "gpu": where the partitioner traces the model (pp > 1).
+        trace_execution_times: measure module times while tracing (pp > 1).
+        trace_memory_usage: measure module memory while tracing (pp > 1).
+        average_grads_across_microbatches: divide accumulated gradients by the microbatch count.
+        backward_passes_per_step: steps whose gradients accumulate before one reduction.
+        broadcast_buffers: broadcast buffers from dp rank 0 at the start of every step.
+        find_unused_parameters: accepted for compatibility; smp always handles unused parameters.
+        bucket_cap_mb: size of the gradient buckets of the data-parallel all-reduce.
+        overlapping_allreduce: accepted for compatibility (all buckets are in flight together).
+
+    Raises:
+        ValueError: a bad option, or replicas whose parameters differ in name, shape or dtype.
+        NotImplementedError: a configuration this version cannot run yet (named in the message).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trace_device: str = "cpu",
+        trace_execution_times: bool = False,
+        trace_memory_usage: bool = False,
+        average_grads_across_microbatches: bool = True,
+        backward_passes_per_step: int = 1,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        bucket_cap_mb: float = 25,
+        overlapping_allreduce: bool = True,
+    ):
+        super().__init__()
+        state = get_state()
+        if not isinstance(module, nn.Module):
+            raise ValueError(
+                f"smp.DistributedModel wraps an nn.Module, got {type(module).__name__}"
+            )
+        if isinstance(module, DistributedModel):
+            raise ValueError("smp.DistributedModel: the module is already wrapped")
+        if trace_device not in ("cpu", "gpu"):
+            raise ValueError(f'trace_device must be "cpu" or "gpu", got {trace_device!r}')
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
+            )
+        if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
+        cfg = state.config
+        for key, feature in _NOT_YET.items():
+            if getattr(cfg, key) > 1:
+                raise NotImplementedError(
+                    f"smp.DistributedModel: {key}={getattr(cfg, key)} needs {feature}, which this "
+                    f"version of smp does not have yet; run with {key}=1"
+                )
+        for key in _UNSUPPORTED_FLAGS:
+            if getattr(cfg, key):
+                raise NotImplementedError(
+                    f"smp.DistributedModel: config {key}=True is not supported by this version of "
+                    f"smp yet; set it to False"
+                )
+
+        self.module = module.to(state.device)
+        self.trace_device = trace_device
+        self.trace_execution_times = trace_execution_times
+        self.trace_memory_usage = trace_memory_usage
+        self.average_grads_across_microbatches = average_grads_across_microbatches
+        self.backward_passes_per_step = backward_passes_per_step
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.overlapping_allreduce = overlapping_allreduce
+        self._post_partition_hooks: list[Callable[[DistributedModel, Any], None]] = []
+
+        # Unique trainable parameters in a fixed order (shared parameters once): the order of the
+        # gradient all-reduce, identical on every rank.
+        self._grad_params = [p for p in _unique_parameters(self.module) if p.requires_grad]
+        self._stash: list[torch.Tensor | None] | None = None
+        self._window_position = 0
+        self._step_backward_count = 0
+        self._grad_union: list[int] | None = None
+        self._step_count = 0
+
+        _check_replicas_match(self.module)
+        self._broadcast_from_dp_rank0(list(_unique_parameters(self.module)))
+        self._broadcast_from_dp_rank0(list(self.module.buffers()))
+        self.partitioned = True  # one stage: everything is already where it runs
+
+    # ---- use inside a step -------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, tensors, grad_tensors=None) -> None:
+        """Backward of ``tensors`` (the loss) for the current microbatch; use instead of
+        ``loss.backward()`` inside an ``@smp.step`` function."""
+        state = get_state()
+        if not state.in_step:
+            raise RuntimeError(
+                "model.backward(loss) must be called inside a function decorated with @smp.step"
+            )
+        torch.autograd.backward(tensors, grad_tensors)
+        self._step_backward_count += 1
+
+    # ---- what this rank holds ---------------------------------------------------------------
+
+    def local_parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def local_named_parameters(self, prefix: str = "", recurse: bool = True):
+        return self.module.named_parameters(prefix, recurse)
+
+    def local_buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self.module.buffers(recurse)
+
+    def local_named_buffers(self, prefix: str = "", recurse: bool = True):
+        return self.module.named_buffers(prefix, recurse)
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        return self.module.modules()
+
+    def state_dict(self, *args, **kwargs) -> dict[str, Any]:
+        """The full model's state dict with the original module's keys."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def local_state_dict(self, *args, **kwargs) -> dict[str, Any]:
+        """This rank's part of the state dict (the whole model while pp = tp = 1)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads a state dict with the original module's keys."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def register_post_partition_hook(self, hook: Callable[[DistributedModel, Any], None]) -> None:
+        """Calls ``hook(model, optimizer=None)`` once the model is partitioned (now, if it is)."""
+        self._post_partition_hooks.append(hook)
+        if self.partitioned:
+            hook(self, None)
+
+    # ---- step protocol (called by smp.step) ---------------------------------------------------
+
+    def _begin_step(self) -> None:
+        if self.broadcast_buffers:
+            self._broadcast_from_dp_rank0(list(self.module.buffers()))
+        if self._window_position == 0:
+            self._stash = [p.grad for p in self._grad_params]
+            for p in self._grad_params:
+                p.grad = None
+        self._step_backward_count = 0
+
+    def _num_grad_params(self) -> int:
+        return len(self._grad_params)
+
+    def _grad_presence(self) -> list[int]:
+        return [0 if p.grad is None else 1 for p in self._grad_params]
+
+    def _set_grad_union(self, flags: list[int]) -> None:
+        self._grad_union = flags
+
+    def _abort_step(self) -> None:
+        """Drops the gradients of a failed step and restores those from before it."""
+        if self._window_position == 0 and self._stash is not None:
+            for p, old in zip(self._grad_params, self._stash):
+                p.grad = old
+            self._stash = None
+        self._step_backward_count = 0
+
+    def _finish_step(self) -> None:
+        state = get_state()
+        if self._step_backward_count == 0:  # evaluation step: nothing to reduce
+            self._abort_step()
+            return
+        self._step_count += 1
+        self._window_position += 1
+        if self._window_position < self.backward_passes_per_step:
+            return
+        self._window_position = 0
+
+        num_mb = state.config.microbatches if self.average_grads_across_microbatches else 1
+        union = self._grad_union or self._grad_presence()
+        grads = []
+        for p, used in zip(self._grad_params, union):
+            if not used:
+                continue
+            if p.grad is None:  # used on another rank only: contributes zeros here
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif not p.grad.is_contiguous():  # e.g. the gradient of a transposed parameter
+                p.grad = p.grad.contiguous()
+            grads.append(p.grad)
+        dp_size = state.axis_size("dp")
+        _C.allreduce_mean_(grads, state.groups["dp"], float(dp_size * num_mb), self.bucket_bytes)
+
+        for p, old in zip(self._grad_params, self._stash or []):
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
+        self._stash = None
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _broadcast_from_dp_rank0(self, tensors: list[torch.Tensor]) -> None:
+        state = get_state()
+        if state.axis_size("dp") == 1 or not tensors:
+            return
+        with torch.no_grad():
+            # The root is a rank of the group (dp rank 0), as in c10d's BroadcastOptions.
+            dist._broadcast_coalesced(state.groups["dp"], tensors, self.bucket_bytes, 0)
+
+
+def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters in registration order, each once even if shared (tied weights)."""
+    return list(module.parameters())
+
+
+def _check_replicas_match(module: nn.Module) -> None:
+    """Fails on every rank if dp replicas differ in parameter/buffer names, shapes or dtypes."""
+    state = get_state()
+    if state.axis_size("dp") == 1:
+        return
+    layout = [
+        (name, tuple(t.shape), str(t.dtype))
+        for name, t in (*module.named_parameters(), *module.named_buffers())
+    ]
+    digest = hashlib.sha256(repr(layout).encode()).hexdigest()
+    digests: list[Any] = [None] * state.axis_size("dp")
+    dist.all_gather_object(digests, digest, group=state.groups["dp"])
+    if len(set(digests)) == 1:
+        return
+    layouts: list[Any] = [None] * state.axis_size("dp")
+    dist.all_gather_object(layouts, layout, group=state.groups["dp"])
+    ranks = state.group_ranks["dp"]
+    base = layouts[0]
+    for other_rank, other in zip(ranks[1:], layouts[1:]):
+        if other != base:
+            diff = next(
+                ((a, b) for a, b in zip(base, other) if a != b),
+                (f"{len(base)} tensors", f"{len(other)} tensors"),
+            )
+            raise ValueError(
+                "smp.DistributedModel: the model differs between data-parallel replicas: rank "
+                f"{ranks[0]} has {diff[0]} where rank {other_rank} has {diff[1]}; build the same "
+                "model on every rank"
+            )

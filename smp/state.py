@@ -1,0 +1,241 @@
+"""The one object that owns smp's process-wide state: config, topology and process groups.
+
+There are no module-level process-group globals: :func:`init` builds a :class:`State` and every
+other part of smp reaches it through :func:`get_state`, which fails with a clear message when
+``smp.init`` has not been called.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smp import _C
+from smp.config import Config, build_config
+
+__all__ = ["State", "init", "shutdown", "is_initialized", "get_state"]
+
+logger = logging.getLogger("smp")
+
+# Group names in creation order; the topology's axes plus the whole world.
+_AXES = {
+    "pp": _C.Axis.PP,
+    "tp": _C.Axis.TP,
+    "dp": _C.Axis.DP,
+    "rdp": _C.Axis.RDP,
+    "mp": _C.Axis.MP,
+}
+
+
+class State:
+    """Everything smp knows about this process after ``smp.init``.
+
+    Attributes:
+        config: the validated :class:`smp.config.Config`.
+        topology: the ``smp._C.Topology`` of the job.
+        rank, world_size, local_rank, local_size: this process in the job.
+        backend: "gloo" or "nccl".
+        device: where this rank's model lives (``cuda:<local_rank>`` with NCCL, else CPU).
+        groups: {"world", "pp", "tp", "dp", "rdp", "mp"} -> this rank's torch process group.
+        group_ranks: the same keys -> the world ranks of that group, ascending.
+        owns_default_group: True when smp created the default process group (and so destroys it).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        topology: Any,
+        rank: int,
+        local_rank: int,
+        local_size: int,
+        backend: str,
+        owns_default_group: bool,
+    ):
+        self.config = config
+        self.topology = topology
+        self.rank = rank
+        self.world_size = topology.world_size
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self.backend = backend
+        self.owns_default_group = owns_default_group
+        self.device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.group_ranks: dict[str, list[int]] = {}
+        # Step bookkeeping, set by smp.step while a step function runs.
+        self.in_step = False
+        self.microbatch: int | None = None
+
+    def axis_rank(self, name: str) -> int:
+        """This rank's index in its group ``name`` ("world", "pp", "tp", "dp", "rdp", "mp")."""
+        return self.group_ranks[name].index(self.rank)
+
+    def axis_size(self, name: str) -> int:
+        return len(self.group_ranks[name])
+
+    def world_rank_of(self, name: str, index: int) -> int:
+        """World rank of member ``index`` of this rank's group ``name`` (ValueError if none)."""
+        members = self.group_ranks[name]
+        if not 0 <= index < len(members):
+            raise ValueError(
+                f"smp: {name} rank {index} does not exist; this rank's {name} group has "
+                f"{len(members)} member(s) (world ranks {members})"
+            )
+        return members[index]
+
+
+_state: State | None = None
+
+
+def is_initialized() -> bool:
+    """True between ``smp.init`` and ``smp.shutdown``."""
+    return _state is not None
+
+
+def get_state() -> State:
+    """The state built by ``smp.init``; RuntimeError with the fix if it was not called."""
+    if _state is None:
+        raise RuntimeError(
+            "smp is not initialized: call smp.init(config) first (under torchrun, or in a "
+            "single process for debugging)"
+        )
+    return _state
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"smp.init: environment variable {name}={value!r} is not an integer"
+        ) from None
+
+
+def _resolve_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            'smp config: "backend" is "nccl" but CUDA is not available here; use "gloo" or "auto"'
+        )
+    return requested
+
+
+def init(config: dict[str, Any] | None = None) -> None:
+    """Initialise smp: validate ``config``, join (or create) the job and build every process group.
+
+    Under torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) this
+    joins the job through ``env://``. Without those variables it runs as a single process (world
+    size 1), which is handy for debugging. If torch.distributed is already initialised, its default
+    group is used as it is. Calling ``init`` again replaces the previous smp state.
+
+    Args:
+        config: the keys of api.md §1; None or {} for all defaults.
+
+    Raises:
+        ValueError: a bad key, value or degree — raised before any process group is created.
+        RuntimeError: the launcher's environment is incomplete.
+    """
+    global _state
+    build_config(config)  # types and ranges first: nothing below runs on a bad config
+
+    if dist.is_initialized():
+        world_size = dist.get_world_size()
+        rank = dist.get_rank()
+    else:
+        world_size = _env_int("WORLD_SIZE", 1)
+        rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0 if world_size == 1 else None)
+    local_size = _env_int("LOCAL_WORLD_SIZE", 1 if world_size == 1 else None)
+    if local_rank is None or local_size is None:
+        # Launched by something that sets RANK/WORLD_SIZE but not the local variables.
+        local_size = local_size or world_size
+        local_rank = rank % local_size if local_rank is None else local_rank
+
+    cfg = build_config(config, world_size=world_size)
+    backend = _resolve_backend(cfg.backend)
+    topology = _C.Topology(
+        world_size, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree, cfg.placement_strategy
+    )
+
+    if _state is not None:
+        shutdown()
+
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    owns_default_group = False
+    if not dist.is_initialized():
+        if world_size > 1 and "MASTER_ADDR" not in os.environ:
+            raise RuntimeError(
+                f"smp.init: WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with "
+                "torchrun (e.g. torchrun --nproc_per_node 2 train.py)"
+            )
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        owns_default_group = True
+    elif cfg.backend != "auto" and dist.get_backend() != backend:
+        raise ValueError(
+            f'smp config: "backend" is {cfg.backend!r} but torch.distributed is already '
+            f"initialised with {dist.get_backend()!r}; drop the key or initialise with {backend!r}"
+        )
+
+    state = State(cfg, topology, rank, local_rank, local_size, backend, owns_default_group)
+    _build_groups(state, timeout)
+    _state = state
+    if rank == 0:
+        logger.info(
+            "smp initialised: world %d = pp %d x tp %d x rdp %d (%s), backend %s",
+            world_size,
+            topology.pp_size,
+            topology.tp_size,
+            topology.rdp_size,
+            topology.placement,
+            backend,
+        )
+
+
+def _build_groups(state: State, timeout: datetime.timedelta) -> None:
+    """Creates one torch process group per group of every axis, plus smp's own world group.
+
+    Every rank calls ``new_group`` for every group in the same order (torch requires it), and keeps
+    the one it belongs to. smp never hands out the default group itself, so ``timeout_s`` applies to
+    every collective smp issues, whoever created the default group.
+    """
+    world = list(range(state.world_size))
+    state.groups["world"] = dist.new_group(world, timeout=timeout)
+    state.group_ranks["world"] = world
+    for name, axis in _AXES.items():
+        for ranks in state.topology.groups(axis):
+            group = dist.new_group(ranks, timeout=timeout)
+            if state.rank in ranks:
+                state.groups[name] = group
+                state.group_ranks[name] = list(ranks)
+
+
+def shutdown() -> None:
+    """Destroys smp's process groups (and the default group if smp created it). Idempotent."""
+    global _state
+    state, _state = _state, None
+    if state is None or not dist.is_initialized():
+        return
+    if state.owns_default_group:
+        dist.destroy_process_group()
+        return
+    seen = set()
+    for group in state.groups.values():
+        if id(group) not in seen:
+            seen.add(id(group))
+            dist.destroy_process_group(group)

@@ -1,0 +1,352 @@
+"""``@smp.step``: run a train or evaluation step once per microbatch; ``StepOutput`` (api.md §5).
+
+The decorated function receives one microbatch of every tensor argument, calls the model and
+(for training) ``model.backward(loss)``. After the last microbatch every rank agrees on how the
+step went before any gradient is communicated: a failure on one rank is raised on every rank, and
+ranks that disagree on whether this was a training step fail instead of hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smp.state import State, get_state
+
+__all__ = ["step", "StepOutput", "StepFailedError", "microbatch"]
+
+
+class StepFailedError(RuntimeError):
+    """A step function failed on another rank; the message carries that rank's error."""
+
+
+class StepOutput:
+    """One value per microbatch of something the step function returned.
+
+    Attributes:
+        outputs: the per-microbatch values, in microbatch order.
+    """
+
+    def __init__(self, outputs: list[Any]):
+        self.outputs = outputs
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __iter__(self):
+        return iter(self.outputs)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.outputs[index]
+
+    def __repr__(self) -> str:
+        return f"StepOutput({self.outputs!r})"
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [o if isinstance(o, torch.Tensor) else torch.as_tensor(o) for o in self.outputs]
+
+    def reduce_mean(self) -> torch.Tensor:
+        """Mean over microbatches (elementwise for non-scalar outputs)."""
+        return torch.stack(self._tensors()).mean(dim=0)
+
+    def reduce_sum(self) -> torch.Tensor:
+        """Sum over microbatches (elementwise for non-scalar outputs)."""
+        return torch.stack(self._tensors()).sum(dim=0)
+
+    def concat(self) -> torch.Tensor:
+        """The microbatch outputs concatenated along dim 0 (e.g. per-sample predictions)."""
+        return torch.cat(self._tensors(), dim=0)
+
+    def stack(self) -> torch.Tensor:
+        """The microbatch outputs stacked along a new dim 0."""
+        return torch.stack(self._tensors())
+
+
+def microbatch() -> int | None:
+    """Index of the microbatch the running step function is processing; None outside a step."""
+    return get_state().microbatch
+
+
+# ---- splitting inputs into microbatches --------------------------------------------------------
+
+
+def _split(value: Any, path: str, axis: int, num_mb: int) -> list[Any] | None:
+    """Splits ``value`` into ``num_mb`` pieces, or returns None if it is passed whole.
+
+    Tensors are split along ``axis``; lists, tuples (named ones too) and dicts are split leaf by
+    leaf; an object with ``smp_slice(num_mb, mb, axis)`` slices itself; anything else is whole.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return None
+        if not -value.dim() <= axis < value.dim():
+            raise ValueError(
+                f"smp.step: cannot split argument {path} of shape {tuple(value.shape)} along "
+                f"axis {axis}; set input_split_axes for it or list it in non_split_inputs"
+            )
+        length = value.shape[axis]
+        if length % num_mb != 0:
+            raise ValueError(
+                f"smp.step: argument {path} has size {length} along axis {axis}, which is not "
+                f"divisible by microbatches={num_mb}; use a batch size that is a multiple of "
+                f'{num_mb}, change "microbatches", or list the argument in non_split_inputs'
+            )
+        chunk = length // num_mb
+        return [value.narrow(axis, mb * chunk, chunk) for mb in range(num_mb)]
+    if hasattr(value, "smp_slice") and callable(value.smp_slice):
+        return [value.smp_slice(num_mb, mb, axis) for mb in range(num_mb)]
+    if isinstance(value, Mapping):
+        parts = {k: _split(v, f"{path}[{k!r}]", axis, num_mb) for k, v in value.items()}
+        if all(p is None for p in parts.values()):
+            return None
+        return [
+            _rebuild_mapping(value, {k: value[k] if p is None else p[mb] for k, p in parts.items()})
+            for mb in range(num_mb)
+        ]
+    if isinstance(value, (list, tuple)):
+        parts = [_split(v, f"{path}[{i}]", axis, num_mb) for i, v in enumerate(value)]
+        if all(p is None for p in parts):
+            return None
+        pieces = []
+        for mb in range(num_mb):
+            items = [v if p is None else p[mb] for v, p in zip(value, parts)]
+            if isinstance(value, tuple) and hasattr(value, "_fields"):
+                pieces.append(type(value)(*items))
+            else:
+                pieces.append(type(value)(items))
+        return pieces
+    return None
+
+
+def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
+    """A mapping of ``original``'s type (dict, OrderedDict, ModelOutput-like) holding ``items``."""
+    if type(original) is dict:
+        return items
+    try:
+        return type(original)(**items)
+    except TypeError:
+        return type(original)(items)
+
+
+def _check_names(what: str, names: Iterable[str], signature: inspect.Signature, fn_name: str):
+    params = signature.parameters
+    has_var = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
+    for name in names:
+        if name not in params and not has_var:
+            raise ValueError(
+                f"smp.step: {what} names {name!r}, but {fn_name}() has no such argument; "
+                f"its arguments are {list(params)}"
+            )
+
+
+# ---- the decorator -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _MicrobatchError:
+    rank: int
+    microbatch: int | None
+    summary: str
+    formatted: str
+
+
+class _StepFunction:
+    def __init__(
+        self,
+        func: Callable,
+        non_split_inputs: Iterable[str] | None,
+        input_split_axes: Mapping[str, int] | None,
+        detach_outputs: bool,
+    ):
+        self.func = func
+        self.signature = inspect.signature(func)
+        self.non_split_inputs = frozenset(non_split_inputs or ())
+        self.input_split_axes = dict(input_split_axes or {})
+        self.detach_outputs = detach_outputs
+        name = getattr(func, "__qualname__", repr(func))
+        _check_names("non_split_inputs", self.non_split_inputs, self.signature, name)
+        _check_names("input_split_axes", self.input_split_axes, self.signature, name)
+        for key, axis in self.input_split_axes.items():
+            if not isinstance(axis, int) or isinstance(axis, bool):
+                raise ValueError(
+                    f"smp.step: input_split_axes[{key!r}] must be an int dim, got {axis!r}"
+                )
+        functools.update_wrapper(self, func)
+
+    def _split_arguments(self, args, kwargs, num_mb: int) -> list[tuple[tuple, dict]]:
+        from smp.model import DistributedModel
+
+        bound = self.signature.bind(*args, **kwargs)
+        per_name: dict[str, list[Any] | None] = {}
+        for name, value in bound.arguments.items():
+            kind = self.signature.parameters[name].kind
+            if name in self.non_split_inputs or isinstance(value, DistributedModel):
+                per_name[name] = None
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                per_name[name] = _split(
+                    value, f"'**{name}'", self.input_split_axes.get(name, 0), num_mb
+                )
+            else:
+                axis = self.input_split_axes.get(name, 0)
+                per_name[name] = _split(value, f"'{name}'", axis, num_mb)
+        calls = []
+        for mb in range(num_mb):
+            arguments = {
+                name: value if per_name[name] is None else per_name[name][mb]
+                for name, value in bound.arguments.items()
+            }
+            call = inspect.BoundArguments(self.signature, arguments)
+            calls.append((call.args, call.kwargs))
+        return calls
+
+    def __call__(self, *args, **kwargs):
+        from smp.model import DistributedModel
+
+        state = get_state()
+        if state.in_step:
+            raise RuntimeError("smp.step functions cannot be nested: one step runs at a time")
+        num_mb = state.config.microbatches
+        calls = self._split_arguments(args, kwargs, num_mb)  # bad input fails before any work
+        models = [a for a in (*args, *kwargs.values()) if isinstance(a, DistributedModel)]
+        models = list({id(m): m for m in models}.values())
+
+        for model in models:
+            model._begin_step()
+        results: list[Any] = []
+        error: _MicrobatchError | None = None
+        original: BaseException | None = None
+        state.in_step = True
+        try:
+            for mb, (mb_args, mb_kwargs) in enumerate(calls):
+                state.microbatch = mb
+                results.append(self.func(*mb_args, **mb_kwargs))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
+            original = exc
+            error = _MicrobatchError(
+                state.rank,
+                state.microbatch,
+                f"{type(exc).__name__}: {exc}",
+                "".join(traceback.format_exception(exc)),
+            )
+        finally:
+            state.in_step = False
+            state.microbatch = None
+
+        backward_counts = [m._step_backward_count for m in models]
+        try:
+            _agree_on_outcome(state, error, original, backward_counts, models)
+        except BaseException:
+            for model in models:
+                model._abort_step()  # gradients as they were before the step
+            raise
+        for model in models:
+            model._finish_step()
+        return _to_step_output(results, self.detach_outputs)
+
+
+def step(
+    func: Callable | None = None,
+    *,
+    non_split_inputs: Iterable[str] | None = None,
+    input_split_axes: Mapping[str, int] | None = None,
+    detach_outputs: bool = True,
+):
+    """Decorates a step function that smp runs once per microbatch.
+
+    Usable bare (``@smp.step``) or with options (``@smp.step(non_split_inputs=["mask"])``).
+
+    Args:
+        func: the step function; it takes the model and the batch and returns tensors.
+        non_split_inputs: argument names passed whole to every microbatch.
+        input_split_axes: {argument name: dim} for arguments split along a dim other than 0.
+        detach_outputs: detach returned tensors from the graph (default True).
+
+    Returns:
+        A callable that takes the whole batch and returns a ``StepOutput`` for every tensor the
+        function returns (the same nesting: a tuple of tensors gives a tuple of StepOutputs).
+
+    Raises:
+        ValueError: a split argument whose size is not divisible by ``microbatches`` (names the
+            argument, its size and the count), or options naming arguments the function lacks.
+        StepFailedError: the step failed on another rank (this rank re-raises its own error).
+    """
+
+    def wrap(f: Callable) -> _StepFunction:
+        return _StepFunction(f, non_split_inputs, input_split_axes, detach_outputs)
+
+    return wrap if func is None else wrap(func)
+
+
+def _agree_on_outcome(
+    state: State,
+    error: _MicrobatchError | None,
+    original: BaseException | None,
+    backward_counts: list[int],
+    models: list,
+) -> None:
+    """One small collective over the world: did every rank succeed, with the same backward calls,
+    and which parameters got gradients anywhere. A rank's failure is raised on every rank."""
+    world = state.groups["world"]
+    grad_flags = [flag for m in models for flag in m._grad_presence()]
+    header = [1 if error else 0, len(backward_counts), *backward_counts]
+    local = torch.tensor(header + grad_flags, dtype=torch.int64)
+    if state.backend == "nccl":
+        local = local.to(state.device)
+    gathered = [torch.empty_like(local) for _ in range(state.world_size)]
+    dist.all_gather(gathered, local, group=world)
+    table = torch.stack(gathered).cpu()
+
+    failed_ranks = [r for r in range(state.world_size) if table[r, 0] != 0]
+    if failed_ranks:
+        errors: list[Any] = [None] * state.world_size
+        dist.all_gather_object(errors, error, group=world)
+        first = errors[failed_ranks[0]]
+        where = f"rank {first.rank}" + (
+            f", microbatch {first.microbatch}" if first.microbatch is not None else ""
+        )
+        if original is not None:
+            raise original
+        raise StepFailedError(
+            f"smp.step failed on {where} (failed ranks: {failed_ranks}): {first.summary}\n"
+            f"--- traceback on rank {first.rank} ---\n{first.formatted}"
+        )
+
+    counts = table[:, 2 : 2 + len(backward_counts)]
+    if len(backward_counts) and not bool((counts == counts[0]).all()):
+        raise RuntimeError(
+            "smp.step: ranks disagree on model.backward calls in this step (per rank: "
+            f"{counts.tolist()}); every rank must run the same step function on its batch"
+        )
+    offset = 2 + len(backward_counts)
+    any_grad = table[:, offset:].amax(dim=0).tolist()
+    start = 0
+    for model in models:
+        n = model._num_grad_params()
+        model._set_grad_union(any_grad[start : start + n])
+        start += n
+
+
+def _to_step_output(results: list[Any], detach: bool) -> Any:
+    """Per-microbatch results [r0, r1, ...] -> the same structure with StepOutput leaves."""
+    if not results:
+        return StepOutput([])
+    first = results[0]
+    if isinstance(first, Mapping):
+        return _rebuild_mapping(
+            first, {k: _to_step_output([r[k] for r in results], detach) for k in first}
+        )
+    if isinstance(first, (list, tuple)) and not isinstance(first, torch.Size):
+        items = [_to_step_output([r[i] for r in results], detach) for i in range(len(first))]
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            return type(first)(*items)
+        return type(first)(items)
+    if detach:
+        results = [r.detach() if isinstance(r, torch.Tensor) else r for r in results]
+    return StepOutput(results)

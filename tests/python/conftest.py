@@ -1,0 +1,35 @@
+"""Shared pytest fixtures: the distributed worker pools and a single-process smp."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# The demo's GPT doubles as the tests' small GPT.
+sys.path.insert(0, str(REPO / "examples" / "gpt"))
+
+from harness import PoolSet  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """``pools.run(world_size, fn, *args)`` runs ``fn`` on that many gloo processes."""
+    pool_set = PoolSet()
+    yield pool_set
+    pool_set.close()
+
+
+@pytest.fixture
+def single_process_smp():
+    """smp initialised as a world of one in this process; torn down after the test."""
+    import smp
+
+    def init(config=None):
+        smp.init(config or {})
+        return smp
+
+    yield init
+    smp.shutdown()

@@ -1,0 +1,304 @@
+"""Unit tests of smp/config.py; loaded by path so they run without torch or a built smp._C."""
+
+import copy
+import dataclasses
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).parents[3] / "smp" / "config.py"
+_spec = importlib.util.spec_from_file_location("_smp_config_under_test", _PATH)
+config_mod = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = config_mod  # dataclasses looks the module up while building Config
+_spec.loader.exec_module(config_mod)
+Config = config_mod.Config
+build_config = config_mod.build_config
+
+ALL_KEYS = {
+    "pipeline_parallel_degree", "tensor_parallel_degree", "microbatches", "pipeline",
+    "active_microbatches", "optimize", "memory_weight", "auto_partition", "default_partition",
+    "placement_strategy", "ddp", "prescaled_batch", "shard_optimizer_state",
+    "offload_activations", "activation_loading_horizon", "fp16", "bf16", "tensor_parallel_seed",
+    "delayed_parameter_initialization", "skip_tracing", "backend", "timeout_s",
+}
+BOOL_KEYS = [
+    "auto_partition", "ddp", "prescaled_batch", "shard_optimizer_state", "offload_activations",
+    "fp16", "bf16", "delayed_parameter_initialization", "skip_tracing",
+]
+
+
+def expect_error(user, *fragments, world_size=None):
+    with pytest.raises(ValueError) as info:
+        build_config(user, world_size)
+    message = str(info.value)
+    assert message.startswith("smp config:"), message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+# --- defaults ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("user", [None, {}])
+def test_defaults(user):
+    c = build_config(user)
+    assert c == Config()
+    assert c.to_dict() == {
+        "pipeline_parallel_degree": 1, "tensor_parallel_degree": 1, "microbatches": 1,
+        "pipeline": "interleaved", "active_microbatches": 1, "optimize": "speed",
+        "memory_weight": 0.2, "auto_partition": True, "default_partition": 0,
+        "placement_strategy": "cluster", "ddp": True, "prescaled_batch": False,
+        "shard_optimizer_state": False, "offload_activations": False,
+        "activation_loading_horizon": 4, "fp16": False, "bf16": False,
+        "tensor_parallel_seed": 0, "delayed_parameter_initialization": False,
+        "skip_tracing": False, "backend": "auto", "timeout_s": 300,
+    }
+
+
+def test_fields_match_api_keys():
+    assert {f.name for f in dataclasses.fields(Config)} == ALL_KEYS
+    assert set(build_config(None).to_dict()) == ALL_KEYS
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        build_config(None).microbatches = 4
+
+
+def test_to_dict_is_plain_copy():
+    c = build_config({"microbatches": 3})
+    d = c.to_dict()
+    assert type(d) is dict
+    d["microbatches"] = 99
+    assert c.microbatches == 3
+
+
+@pytest.mark.parametrize(("pp", "mb", "expected"), [(1, 1, 1), (1, 8, 3), (2, 8, 4), (4, 3, 3)])
+def test_active_microbatches_default(pp, mb, expected):
+    c = build_config({"pipeline_parallel_degree": pp, "microbatches": mb})
+    assert c.active_microbatches == expected
+
+
+def test_active_microbatches_explicit():
+    assert build_config({"microbatches": 8, "active_microbatches": 8}).active_microbatches == 8
+    assert build_config({"microbatches": 8, "active_microbatches": None}).active_microbatches == 3
+
+
+@pytest.mark.parametrize(("optimize", "weight"), [("speed", 0.2), ("memory", 0.8)])
+def test_memory_weight_default(optimize, weight):
+    assert build_config({"optimize": optimize}).memory_weight == weight
+
+
+@pytest.mark.parametrize("weight", [0, 1, 0.5, 1.0])
+def test_memory_weight_explicit(weight):
+    c = build_config({"optimize": "memory", "memory_weight": weight})
+    assert c.memory_weight == weight and isinstance(c.memory_weight, float)
+
+
+def test_values_kept():
+    user = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 4, "microbatches": 16,
+            "pipeline": "simple", "backend": "gloo", "timeout_s": 2.5, "bf16": True,
+            "auto_partition": False, "default_partition": 1, "tensor_parallel_seed": 7}
+    d = build_config(user).to_dict()
+    assert {k: d[k] for k in user} == user
+
+
+# --- alias ------------------------------------------------------------------------------------
+
+def test_alias_partitions():
+    assert build_config({"partitions": 4}).pipeline_parallel_degree == 4
+    c = build_config({"partitions": 2, "pipeline_parallel_degree": 2})
+    assert c.pipeline_parallel_degree == 2
+    assert "partitions" not in c.to_dict()
+
+
+def test_alias_conflict():
+    expect_error({"partitions": 2, "pipeline_parallel_degree": 4},
+                 "pipeline_parallel_degree=4", "partitions=2")
+    expect_error({"pipeline_parallel_degree": 4, "partitions": 2},
+                 "pipeline_parallel_degree=4", "partitions=2")
+
+
+def test_alias_validated():
+    expect_error({"partitions": 0}, '"pipeline_parallel_degree"', "got 0")
+
+
+# --- unknown keys -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("typo", "suggestion"), [
+    ("microbatch", "microbatches"),
+    ("pipeline_parallel_degre", "pipeline_parallel_degree"),
+    ("tensor_paralel_degree", "tensor_parallel_degree"),
+    ("partition", "partitions"),
+    ("fp61", "fp16"),
+])
+def test_did_you_mean(typo, suggestion):
+    expect_error({typo: 1}, repr(typo), "did you mean", f'"{suggestion}"')
+
+
+def test_unknown_key_lists_known_keys():
+    message = expect_error({"zzzzqqq": 1}, "'zzzzqqq'", "known keys")
+    assert all(key in message for key in ALL_KEYS | {"partitions"})
+    assert "did you mean" not in message
+
+
+def test_non_string_key():
+    expect_error({3: 1}, "unknown key 3", "known keys")
+
+
+# --- container --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("user", [[("microbatches", 2)], "microbatches=2", 5])
+def test_non_dict_rejected(user):
+    expect_error(user, type(user).__name__, repr(user))
+
+
+def test_input_not_mutated():
+    user = {"partitions": 2, "microbatches": 4, "optimize": "memory"}
+    before = copy.deepcopy(user)
+    build_config(user, world_size=4)
+    assert user == before
+
+
+def test_input_not_mutated_on_error():
+    user = {"partitions": 2, "microbatches": 0}
+    before = copy.deepcopy(user)
+    with pytest.raises(ValueError):
+        build_config(user)
+    assert user == before
+
+
+# --- types and ranges -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", BOOL_KEYS)
+@pytest.mark.parametrize("bad", [0, 1, "True", None])
+def test_bool_keys_need_bool(key, bad):
+    expect_error({key: bad}, f'"{key}"', "bool", f"got {bad!r}")
+
+
+@pytest.mark.parametrize("key", ["pipeline_parallel_degree", "tensor_parallel_degree",
+                                 "microbatches", "active_microbatches",
+                                 "activation_loading_horizon"])
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2"])
+def test_positive_int_keys(key, bad):
+    expect_error({key: bad}, f'"{key}"', "int", f"got {bad!r}")
+
+
+def test_microbatches_message_format():
+    assert expect_error({"microbatches": 0}) == \
+        'smp config: "microbatches" must be an int >= 1, got 0'
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "0"])
+def test_tensor_parallel_seed(bad):
+    expect_error({"tensor_parallel_seed": bad}, '"tensor_parallel_seed"', f"got {bad!r}")
+
+
+def test_tensor_parallel_seed_large():
+    assert build_config({"tensor_parallel_seed": 2**40}).tensor_parallel_seed == 2**40
+
+
+def test_default_partition_range():
+    assert build_config({"partitions": 3, "default_partition": 2}).default_partition == 2
+    expect_error({"partitions": 3, "default_partition": 3}, '"default_partition"', "got 3",
+                 "[0, 3)")
+    expect_error({"default_partition": -1}, '"default_partition"', "got -1")
+    expect_error({"default_partition": 1}, '"default_partition"', "got 1", "[0, 1)")
+    expect_error({"default_partition": True}, '"default_partition"', "got True")
+
+
+def test_active_microbatches_above_microbatches():
+    expect_error({"microbatches": 4, "active_microbatches": 5},
+                 '"active_microbatches"', "got 5", "microbatches=4")
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5"])
+def test_memory_weight_bad(bad):
+    expect_error({"memory_weight": bad}, '"memory_weight"', "[0, 1]", f"got {bad!r}")
+
+
+@pytest.mark.parametrize("good", [1, 0.5, 3600])
+def test_timeout_good(good):
+    assert build_config({"timeout_s": good}).timeout_s == good
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("inf"), float("nan"), True, "300", None])
+def test_timeout_bad(bad):
+    expect_error({"timeout_s": bad}, '"timeout_s"', "positive", f"got {bad!r}")
+
+
+@pytest.mark.parametrize(("key", "good", "bad"), [
+    ("pipeline", ["interleaved", "simple"], ["Simple", "1f1b", 1]),
+    ("optimize", ["speed", "memory"], ["fast", None]),
+    ("backend", ["auto", "gloo", "nccl"], ["mpi", "NCCL"]),
+])
+def test_enums(key, good, bad):
+    for value in good:
+        assert getattr(build_config({key: value}), key) == value
+    for value in bad:
+        message = expect_error({key: value}, f'"{key}"', f"got {value!r}")
+        assert all(repr(v) in message for v in good)
+
+
+# --- placement --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["".join(p) for p in itertools.permutations("DPT")])
+def test_placement_permutations(order):
+    c = build_config({"placement_strategy": order})
+    assert c.placement_strategy == order and c.placement_order == order
+
+
+def test_placement_named():
+    assert build_config(None).placement_order == "DPT"
+    assert build_config({"placement_strategy": "spread"}).placement_order == "TPD"
+
+
+@pytest.mark.parametrize("bad", ["dpt", "DDP", "DP", "DPTT", "DPX", "", "Cluster", None, 3])
+def test_placement_bad(bad):
+    expect_error({"placement_strategy": bad}, '"placement_strategy"', "D, P, T",
+                 f"got {bad!r}")
+
+
+# --- cross-key rules --------------------------------------------------------------------------
+
+def test_fp16_and_bf16():
+    build_config({"fp16": True})
+    build_config({"bf16": True})
+    expect_error({"fp16": True, "bf16": True}, '"fp16"', '"bf16"', "True")
+
+
+def test_auto_partition_false():
+    c = build_config({"partitions": 2, "auto_partition": False, "default_partition": 1})
+    assert not c.auto_partition and c.default_partition == 1
+
+
+# --- world size -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("pp", "tp", "world"), [(1, 1, 1), (1, 1, 7), (2, 2, 4), (2, 2, 8),
+                                                   (2, 3, 12)])
+def test_world_size_ok(pp, tp, world):
+    build_config({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp}, world)
+
+
+def test_world_size_not_divisible():
+    expect_error({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 3}, "world size 8",
+                 "pipeline_parallel_degree", "(2)", "tensor_parallel_degree", "(3)", "= 6",
+                 "multiple of 6", "change the degrees", world_size=8)
+
+
+def test_world_size_smaller_than_model():
+    expect_error({"pipeline_parallel_degree": 4}, "world size 2", "multiple of 4", world_size=2)
+
+
+def test_ddp_false_needs_exact_world():
+    build_config({"partitions": 2, "ddp": False}, world_size=2)
+    expect_error({"partitions": 2, "ddp": False}, '"ddp"', "world size 4", "got False",
+                 world_size=4)
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 2.0, "4"])
+def test_world_size_bad(bad):
+    expect_error(None, "world size", f"got {bad!r}", world_size=bad)
