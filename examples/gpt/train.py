@@ -1,0 +1,218 @@
+"""Train a small byte-level GPT with smp: the project's demo training job.
+
+Launch (two processes, data parallel, on CPU or GPU):
+
+    torchrun --nproc_per_node 2 examples/gpt/train.py
+
+or single-process (smp.init runs world size 1 without the torchrun environment):
+
+    python examples/gpt/train.py
+
+Rank 0 prints progress (a redrawn bar on a terminal, a line every --log-every steps otherwise),
+the validation loss at the start and the end, and one summary line. The job exits non-zero if the
+training loss did not fall.
+
+Shape suffix legend: B batch, T sequence length, V vocabulary (256 bytes), N bytes in a split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+try:
+    import smp
+except ImportError:  # running from a source checkout without installing smp
+    sys.path.insert(0, str(HERE.parents[1]))
+    import smp
+
+sys.path.insert(0, str(HERE))
+from model import GPT, GPTConfig, lm_loss  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per data-parallel rank")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--lr", type=float, default=7e-4)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", type=Path, default=HERE / "data" / "tiny.txt")
+    p.add_argument("--log-every", type=int, default=10, help="steps between lines when not a TTY")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="also evaluate every this many steps (0: only at the start and the end)",
+    )
+    return p.parse_args(argv)
+
+
+def load_bytes(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The file's bytes as token ids, split 90/10 into (train_N, val_N)."""
+    raw = bytearray(path.read_bytes())
+    data_N = torch.frombuffer(raw, dtype=torch.uint8).long()
+    n_train = int(0.9 * len(data_N))
+    return data_N[:n_train], data_N[n_train:]
+
+
+def make_generator(*key: int) -> torch.Generator:
+    """A generator seeded from a tuple of ints, identical in every process."""
+    digest = hashlib.sha256(":".join(map(str, key)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def sample_batch(
+    data_N: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows: inputs x_BT and next-byte targets y_BT."""
+    if len(data_N) <= seq_len + 1:
+        raise ValueError(f"split of {len(data_N)} bytes is too short for --seq-len {seq_len}")
+    start_B = torch.randint(len(data_N) - seq_len - 1, (batch_size,), generator=gen)
+    window_BT = data_N[start_B[:, None] + torch.arange(seq_len + 1)]
+    return window_BT[:, :-1], window_BT[:, 1:]
+
+
+@smp.step
+def train_step(model, x_BT, y_BT):
+    logits_BTV = model(x_BT)
+    loss = lm_loss(logits_BTV, y_BT)
+    model.backward(loss)
+    return loss
+
+
+@smp.step
+def eval_step(model, x_BT, y_BT):
+    return lm_loss(model(x_BT), y_BT)
+
+
+def dp_mean(value: float) -> float:
+    """Mean of a Python float over the data-parallel group."""
+    values = smp.allgather(value, smp.DP_GROUP)
+    return sum(values) / len(values)
+
+
+def progress_line(step: int, total: int, loss: float, tok_s: float, width: int = 20) -> str:
+    done = width * step // total
+    bar = "=" * done + (">" if done < width else "") + " " * (width - done - 1)
+    return f"step {step}/{total} [{bar[:width]}] loss {loss:.2f} | {tok_s:.0f} tok/s"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    # smp configuration in one place: pipeline_parallel_degree / tensor_parallel_degree go here.
+    smp_config = {"microbatches": args.microbatches}
+    smp.init(smp_config)
+    is_main = smp.rank() == 0
+    if args.batch_size % args.microbatches != 0:
+        raise ValueError(
+            f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}"
+        )
+
+    device = (
+        torch.device("cuda", smp.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    )
+    train_N, val_N = load_bytes(args.data)
+
+    # Same seed on every rank, so every rank builds the same model (smp also broadcasts the
+    # parameters from dp rank 0).
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(
+        block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+    )
+    net = GPT(cfg)
+    n_params = net.num_parameters()
+    model = smp.DistributedModel(net)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
+
+    dp, pp, tp = smp.dp_size(), smp.pp_size(), smp.tp_size()
+    if is_main:
+        print(
+            f"gpt: {n_params / 1e6:.2f}M parameters, {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
+            f"{len(train_N)} train / {len(val_N)} val bytes from {args.data.name}",
+            flush=True,
+        )
+
+    # One fixed validation batch per dp rank, so evaluations are comparable.
+    val_x_BT, val_y_BT = sample_batch(
+        val_N, args.batch_size, args.seq_len, make_generator(args.seed, -1, smp.dp_rank())
+    )
+    val_x_BT, val_y_BT = val_x_BT.to(device), val_y_BT.to(device)
+
+    def evaluate(label: str) -> float:
+        with torch.no_grad():
+            val_loss = dp_mean(eval_step(model, val_x_BT, val_y_BT).reduce_mean().item())
+        if is_main:
+            print(f"{label}val loss {val_loss:.3f}", flush=True)
+        return val_loss
+
+    evaluate("start: ")
+
+    # Every data-parallel replica (the dp group includes the tp ranks, each of which is fed its
+    # own batch) consumes batch_size * seq_len tokens per step.
+    tokens_per_step = args.batch_size * args.seq_len * dp
+    tty = sys.stdout.isatty()
+    first_loss = loss_val = float("nan")
+    train_time = 0.0
+    last_len = 0
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        gen = make_generator(args.seed, step, smp.dp_rank())
+        x_BT, y_BT = sample_batch(train_N, args.batch_size, args.seq_len, gen)
+        x_BT, y_BT = x_BT.to(device), y_BT.to(device)
+
+        optimizer.zero_grad()
+        loss = train_step(model, x_BT, y_BT).reduce_mean()
+        optimizer.step()
+        loss_val = dp_mean(loss.item())
+        train_time += time.perf_counter() - t0
+
+        if step == 1:
+            first_loss = loss_val
+        if is_main:
+            line = progress_line(step, args.steps, loss_val, step * tokens_per_step / train_time)
+            if tty:  # pad so a shorter line fully covers the previous one
+                print(
+                    "\r" + line.ljust(last_len), end="\n" if step == args.steps else "", flush=True
+                )
+                last_len = len(line)
+            elif step % args.log_every == 0 or step == args.steps:
+                print(line, flush=True)
+        if args.eval_every and step % args.eval_every == 0 and step != args.steps:
+            if is_main and tty:
+                print()
+            evaluate(f"step {step}: ")
+
+    evaluate("end: ")
+    tok_s = args.steps * tokens_per_step / train_time if train_time > 0 else 0.0
+    if is_main:
+        print(
+            f"done: {args.steps} steps, {tok_s:.0f} tokens/s, final loss {loss_val:.2f} "
+            f"(first {first_loss:.2f}), world size {smp.size()} (dp={dp}, pp={pp}, tp={tp}), "
+            f"microbatches {args.microbatches}",
+            flush=True,
+        )
+    if not loss_val < first_loss:  # also catches NaN
+        if is_main:
+            print(
+                f"error: training loss did not fall (first {first_loss:.4f}, final {loss_val:.4f})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
