@@ -58,3 +58,49 @@ def allreduce_mean_(
     divisor: float,
     bucket_bytes: int,
 ) -> int: ...
+
+class PartitionNode:
+    name: str
+    parent: int
+    compute: float
+    param_bytes: float
+    activation_bytes: float
+    pin: int
+    chain: bool
+    def __init__(
+        self,
+        *,
+        name: str = "",
+        parent: int = -1,
+        compute: float = 0.0,
+        param_bytes: float = 0.0,
+        activation_bytes: float = 0.0,
+        pin: int = -1,
+        chain: bool = False,
+    ) -> None: ...
+
+class PartitionOptions:
+    num_stages: int
+    memory_weight: float
+    def __init__(self, *, num_stages: int = 1, memory_weight: float = 0.2) -> None: ...
+
+class PartitionPlan:
+    @property
+    def stage(self) -> list[int]: ...
+    @property
+    def node_cost(self) -> list[float]: ...
+    @property
+    def stage_cost(self) -> list[float]: ...
+    @property
+    def stage_param_bytes(self) -> list[float]: ...
+    @property
+    def stage_activation_bytes(self) -> list[float]: ...
+    @property
+    def stage_compute(self) -> list[float]: ...
+    @property
+    def max_stage_cost(self) -> float: ...
+    @property
+    def imbalance(self) -> float: ...
+
+def partition(nodes: list[PartitionNode], options: PartitionOptions) -> PartitionPlan: ...
+def optimal_contiguous_partition(costs: list[float], num_parts: int) -> list[int]: ...

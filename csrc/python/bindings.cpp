@@ -8,5 +8,6 @@ PYBIND11_MODULE(_C, m) {
   // A user mistake detected in C++ surfaces in Python as ValueError with the same message.
   pybind11::register_exception<smp::Error>(m, "Error", PyExc_ValueError);
   smp::python::init_topology_bindings(m);
+  smp::python::init_partition_bindings(m);
   smp::python::init_comm_bindings(m);
 }
