@@ -58,6 +58,7 @@ from smp.comm import (
 from smp.config import Config
 from smp.model import DistributedModel
 from smp.optimizer import DistributedOptimizer
+from smp.partition import PartitionPlan, partition, plan_partition, set_partition
 from smp.state import init, is_initialized, shutdown
 from smp.step import StepFailedError, StepOutput, microbatch, step
 
@@ -71,6 +72,10 @@ __all__ = [
     "DistributedModel",
     "DistributedOptimizer",
     "step",
+    "partition",
+    "set_partition",
+    "plan_partition",
+    "PartitionPlan",
     "StepOutput",
     "StepFailedError",
     "microbatch",

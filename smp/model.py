@@ -17,6 +17,7 @@ model and smp adds microbatching and data parallelism. Gradient bookkeeping per 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,10 +30,9 @@ from smp.state import get_state
 
 __all__ = ["DistributedModel"]
 
-_NOT_YET = {
-    "pipeline_parallel_degree": "pipeline parallelism",
-    "tensor_parallel_degree": "tensor parallelism",
-}
+logger = logging.getLogger("smp")
+
+_NOT_YET = {"tensor_parallel_degree": "tensor parallelism"}
 _UNSUPPORTED_FLAGS = (
     "fp16",
     "bf16",
@@ -118,6 +118,7 @@ class DistributedModel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.overlapping_allreduce = overlapping_allreduce
+        self._partition_plan = None
         self._post_partition_hooks: list[Callable[[DistributedModel, Any], None]] = []
 
         # Unique trainable parameters in a fixed order (shared parameters once): the order of the
@@ -132,12 +133,18 @@ class DistributedModel(nn.Module):
         _check_replicas_match(self.module)
         self._broadcast_from_dp_rank0(list(_unique_parameters(self.module)))
         self._broadcast_from_dp_rank0(list(self.module.buffers()))
-        self.partitioned = True  # one stage: everything is already where it runs
+        # One stage: everything is already where it runs. With pp > 1 the first smp.step traces
+        # the model and partitions it (see _partition).
+        self.partitioned = cfg.pipeline_parallel_degree == 1
+        self._tracing = False
 
     # ---- use inside a step -------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self._tracing:
+            raise _TraceComplete()  # tracing stops after the model's forward
+        return output
 
     def backward(self, tensors, grad_tensors=None) -> None:
         """Backward of ``tensors`` (the loss) for the current microbatch; use instead of
@@ -179,6 +186,26 @@ class DistributedModel(nn.Module):
         """Loads a state dict with the original module's keys."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    @property
+    def partition_plan(self):
+        """The :class:`smp.PartitionPlan` this model runs with (one stage while pp = 1)."""
+        if not self.partitioned:
+            raise RuntimeError(
+                "the model is partitioned at the first smp.step call; partition_plan and "
+                "partition_report() are available after it (smp.plan_partition previews the plan)"
+            )
+        if self._partition_plan is None:
+            from smp.partition import build_plan
+
+            self._partition_plan = build_plan(
+                self.module, 1, None, get_state().config.memory_weight
+            )
+        return self._partition_plan
+
+    def partition_report(self) -> str:
+        """The placement table: modules, parameter and activation bytes, compute per stage."""
+        return self.partition_plan.report()
+
     def register_post_partition_hook(self, hook: Callable[[DistributedModel, Any], None]) -> None:
         """Calls ``hook(model, optimizer=None)`` once the model is partitioned (now, if it is)."""
         self._post_partition_hooks.append(hook)
@@ -186,6 +213,67 @@ class DistributedModel(nn.Module):
             hook(self, None)
 
     # ---- step protocol (called by smp.step) ---------------------------------------------------
+
+    def _partition(self, run_first_microbatch: Callable[[], Any]) -> None:
+        """Traces the model on microbatch 0 (rank 0), partitions it, and gives every rank the plan.
+
+        ``run_first_microbatch`` runs the step function on microbatch 0; tracing stops it right
+        after the model's forward. Any failure is raised on every rank.
+        """
+        from smp.partition import build_plan, trace_modules
+
+        state = get_state()
+        cfg = state.config
+        payload: list[Any] = [None]
+        if state.rank == 0:
+            try:
+                traces = None
+                if not cfg.skip_tracing:
+                    traces = trace_modules(
+                        self.module,
+                        lambda: self._run_traced(run_first_microbatch),
+                        self.trace_execution_times,
+                    )
+                plan = build_plan(
+                    self.module,
+                    cfg.pipeline_parallel_degree,
+                    traces,
+                    cfg.memory_weight,
+                    cfg.auto_partition,
+                    cfg.default_partition,
+                    use_time=self.trace_execution_times,
+                )
+                payload = [("ok", plan)]
+            except Exception as exc:  # noqa: BLE001 - reported to every rank, raised there
+                error = exc
+                payload = [("error", f"{type(exc).__name__}: {exc}")]
+        dist.broadcast_object_list(payload, src=0, group=state.groups["world"])
+        status, value = payload[0]
+        if status == "error":
+            if state.rank == 0:
+                raise error
+            from smp.step import StepFailedError
+
+            raise StepFailedError(f"smp: partitioning the model failed on rank 0: {value}")
+        self._partition_plan = value
+        self.partitioned = True
+        if state.rank == 0:
+            logger.info("%s", value.report())
+        for hook in self._post_partition_hooks:
+            hook(self, None)
+
+    def _run_traced(self, run_first_microbatch: Callable[[], Any]) -> None:
+        self._tracing = True
+        try:
+            run_first_microbatch()
+        except _TraceComplete:
+            return
+        finally:
+            self._tracing = False
+        raise RuntimeError(
+            "smp: the step function returned without calling the model, so it cannot be traced; "
+            "call model(...) in the @smp.step function"
+        )
 
     def _begin_step(self) -> None:
         if self.broadcast_buffers:
@@ -252,6 +340,10 @@ class DistributedModel(nn.Module):
         with torch.no_grad():
             # The root is a rank of the group (dp rank 0), as in c10d's BroadcastOptions.
             dist._broadcast_coalesced(state.groups["dp"], tensors, self.bucket_bytes, 0)
+
+
+class _TraceComplete(BaseException):  # not Exception: user code must not swallow it
+    """Raised from forward while tracing, to stop the step function after the model's forward."""
 
 
 def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:

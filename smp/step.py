@@ -206,6 +206,13 @@ class _StepFunction:
             calls.append((call.args, call.kwargs))
         return calls
 
+    def _run_microbatch(self, state: State, mb: int, args: tuple, kwargs: dict) -> Any:
+        state.in_step, state.microbatch = True, mb
+        try:
+            return self.func(*args, **kwargs)
+        finally:
+            state.in_step, state.microbatch = False, None
+
     def __call__(self, *args, **kwargs):
         from smp.model import DistributedModel
 
@@ -216,6 +223,17 @@ class _StepFunction:
         calls = self._split_arguments(args, kwargs, num_mb)  # bad input fails before any work
         models = [a for a in (*args, *kwargs.values()) if isinstance(a, DistributedModel)]
         models = list({id(m): m for m in models}.values())
+
+        first_args, first_kwargs = calls[0]
+        for model in models:
+            if not model.partitioned:
+                model._partition(lambda: self._run_microbatch(state, 0, first_args, first_kwargs))
+        if state.config.pipeline_parallel_degree > 1:
+            raise NotImplementedError(
+                "smp.step: the model is partitioned (see model.partition_report()), but running "
+                "pipeline_parallel_degree > 1 needs the pipeline runtime, which this version of "
+                "smp does not have yet"
+            )
 
         for model in models:
             model._begin_step()

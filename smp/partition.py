@@ -1,0 +1,696 @@
+"""Placing modules on pipeline stages: manual pins, tracing, and the plan (api.md §6).
+
+The decision itself is made by the C++ core (``smp._C.partition``, include/smp/partition.h); this
+module gathers what the core needs from a real ``nn.Module``:
+
+1. **Tracing** runs the model's forward once with gradients off and records, for every module, its
+   first-call order, call count, output bytes and own compute — FLOPs attributed to the innermost
+   running module (deterministic), or measured time with ``trace_execution_times``. RNG streams and
+   buffers are restored afterwards, so training sees the same state as without tracing.
+2. **Nodes**: modules sharing a parameter (transitively) become one node, attached at the lowest
+   common ancestor of its members; a subtree that was never called is folded into its parent (it is
+   placed with the parent and its parameters count there). Children are ordered by first call.
+3. **Pins** from ``smp.partition(i)`` contexts and ``smp.set_partition`` are constraints of the
+   core's algorithm; with ``auto_partition=False`` every unpinned module is pinned to
+   ``default_partition``.
+
+``plan_partition`` runs all of this in one process, so a user can try pp = 2/4/8 before launching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from smp import _C
+from smp.config import build_config
+
+__all__ = [
+    "partition",
+    "set_partition",
+    "plan_partition",
+    "PartitionPlan",
+    "ModuleTrace",
+    "trace_modules",
+    "build_plan",
+]
+
+_PIN_ATTR = "_smp_partition"
+
+# ---- manual placement ---------------------------------------------------------------------------
+
+_pin_stack = threading.local()
+_original_module_init = nn.Module.__init__
+
+
+def _pinning_init(self, *args, **kwargs):
+    _original_module_init(self, *args, **kwargs)
+    stack = getattr(_pin_stack, "indices", None)
+    if stack:
+        object.__setattr__(self, _PIN_ATTR, stack[-1])
+
+
+def _check_index(index: Any, what: str) -> int:
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ValueError(f"{what}: the pipeline stage must be an int >= 0, got {index!r}")
+    return index
+
+
+@contextlib.contextmanager
+def partition(index: int) -> Iterator[None]:
+    """Modules created inside the context are placed on pipeline stage ``index``.
+
+    Nested contexts: the innermost wins. Submodules created by a module's constructor inside the
+    context are pinned too, unless an inner context says otherwise.
+
+    Example:
+        with smp.partition(0):
+            self.embed = nn.Embedding(50000, 1024)
+        with smp.partition(1):
+            self.head = nn.Linear(1024, 50000)
+    """
+    _check_index(index, "smp.partition")
+    stack = getattr(_pin_stack, "indices", None)
+    if stack is None:
+        stack = _pin_stack.indices = []
+    stack.append(index)
+    nn.Module.__init__ = _pinning_init
+    try:
+        yield
+    finally:
+        stack.pop()
+        if not stack:
+            nn.Module.__init__ = _original_module_init
+
+
+def set_partition(module: nn.Module, index: int) -> None:
+    """Places an existing ``module`` (and its unpinned submodules) on pipeline stage ``index``."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"smp.set_partition takes an nn.Module, got {type(module).__name__}")
+    object.__setattr__(module, _PIN_ATTR, _check_index(index, "smp.set_partition"))
+
+
+def _pin_of(module: nn.Module) -> int | None:
+    return module.__dict__.get(_PIN_ATTR)
+
+
+# ---- tracing ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ModuleTrace:
+    """What tracing recorded for one module (own = exclusive of submodules)."""
+
+    first_call: int | None = None  # order of the first call; None if never called
+    calls: int = 0
+    output_bytes: int = 0  # summed over calls
+    flops: float = 0.0  # own FLOPs (elementwise ops count one per output element)
+    seconds: float = 0.0  # own wall time (only with execution times)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(_tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
+def _output_numel(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (list, tuple)):
+        return sum(_output_numel(v) for v in value)
+    return 0
+
+
+class _FlopAttribution(TorchDispatchMode):
+    """Adds every ATen op's FLOPs to the module running it (the top of the tracer's stack)."""
+
+    def __init__(self, tracer: _Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        formula = flop_registry.get(packet)
+        if func.is_view:  # views and transposes move no data
+            flops = 0
+        elif formula is None:
+            flops = _output_numel(out)
+        else:
+            try:
+                flops = formula(*args, **kwargs, out_val=out)
+            except Exception:  # noqa: BLE001 - an exotic overload: fall back to the output size
+                flops = _output_numel(out)
+        self.tracer.add_flops(flops)
+        return out
+
+
+class _Tracer:
+    def __init__(self, module: nn.Module, measure_time: bool):
+        self.names = {id(m): name for name, m in module.named_modules()}
+        self.records = {id(m): ModuleTrace() for _, m in module.named_modules()}
+        self.root_id = id(module)
+        self.measure_time = measure_time
+        self.stack: list[tuple[int, float]] = []  # (module id, start time)
+        self.child_seconds: list[float] = []
+        self.order = 0
+        self.handles = []
+        for _, m in module.named_modules():
+            self.handles.append(m.register_forward_pre_hook(self._pre))
+            self.handles.append(m.register_forward_hook(self._post))
+
+    def add_flops(self, flops: float) -> None:
+        key = self.stack[-1][0] if self.stack else self.root_id
+        self.records[key].flops += flops
+
+    def _pre(self, module, args):
+        record = self.records[id(module)]
+        if record.first_call is None:
+            record.first_call = self.order
+            self.order += 1
+        record.calls += 1
+        self.stack.append((id(module), time.perf_counter()))
+        self.child_seconds.append(0.0)
+
+    def _post(self, module, args, output):
+        key, start = self.stack.pop()
+        elapsed = time.perf_counter() - start
+        children = self.child_seconds.pop()
+        record = self.records[key]
+        record.output_bytes += _tensor_bytes(output)
+        record.seconds += max(0.0, elapsed - children)
+        if self.child_seconds:
+            self.child_seconds[-1] += elapsed
+
+    def innermost(self) -> str | None:
+        return self.names.get(self.stack[-1][0]) if self.stack else None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _preserved_state(module: nn.Module) -> Iterator[None]:
+    """Restores the RNG streams and every buffer after the block: tracing must not be seen."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+def trace_modules(
+    module: nn.Module,
+    run_forward: Callable[[], Any],
+    trace_execution_times: bool = False,
+    warmup_runs: int = 1,
+) -> dict[str, ModuleTrace]:
+    """Runs ``run_forward()`` (which calls ``module``) once with gradients off and records every
+    module of ``module``.
+
+    Args:
+        module: the model.
+        run_forward: calls the model on an example microbatch.
+        trace_execution_times: measure own wall time per module (after ``warmup_runs`` untimed
+            runs) instead of counting FLOPs.
+
+    Returns:
+        {module path: ModuleTrace}; the root's path is "".
+
+    Raises:
+        RuntimeError: the forward failed; the message names the module it failed in.
+    """
+    with _preserved_state(module), torch.no_grad():
+        if trace_execution_times:
+            for _ in range(warmup_runs):
+                _run_named(run_forward, None)
+        tracer = _Tracer(module, trace_execution_times)
+        try:
+            if trace_execution_times:
+                _run_named(run_forward, tracer)
+            else:
+                with _FlopAttribution(tracer):
+                    _run_named(run_forward, tracer)
+        finally:
+            tracer.remove()
+    return {tracer.names[key]: record for key, record in tracer.records.items()}
+
+
+def _run_named(run_forward: Callable[[], Any], tracer: _Tracer | None) -> None:
+    try:
+        run_forward()
+    except Exception as exc:
+        where = tracer.innermost() if tracer else None
+        location = f"in module '{where}' " if where else ""
+        raise RuntimeError(
+            f"smp: tracing the model failed {location}({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+# ---- building the core's node tree -------------------------------------------------------------
+
+
+def _own_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module._parameters.values() if p is not None]
+
+
+class _UnionFind:
+    def __init__(self, items):
+        self.parent = {i: i for i in items}
+
+    def find(self, x):
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a, b):
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[ra] = rb
+
+
+def _is_chain(module: nn.Module, children: list[nn.Module]) -> bool:
+    """A chain of similar blocks: a ModuleList/Sequential, or three or more children of one type
+    with equal parameter counts."""
+    if len(children) < 2:
+        return False
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return True
+    if len(children) < 3:
+        return False
+    first = children[0]
+    size = sum(p.numel() for p in first.parameters())
+    return all(
+        type(c) is type(first) and sum(p.numel() for p in c.parameters()) == size for c in children
+    )
+
+
+@dataclasses.dataclass
+class _Node:
+    name: str  # representative path
+    members: list[str]  # module paths merged into this node
+    parent: int
+    compute: float
+    param_bytes: float
+    activation_bytes: float
+    pin: int
+    chain: bool
+
+
+def _build_nodes(
+    module: nn.Module,
+    traces: dict[str, ModuleTrace] | None,
+    use_time: bool,
+    default_pin: int | None,
+) -> tuple[list[_Node], dict[str, int]]:
+    """The core's node list (parents first, siblings in first-call order) and {path: node index}."""
+    modules = dict(module.named_modules())
+    paths = list(modules)
+    children_of: dict[str, list[str]] = {p: [] for p in paths}
+    parent_of: dict[str, str | None] = {"": None}
+    for path in paths:
+        for child_name, _ in modules[path].named_children():
+            child_path = f"{path}.{child_name}" if path else child_name
+            if child_path in modules and child_path not in parent_of:
+                parent_of[child_path] = path
+                children_of[path].append(child_path)
+
+    # Resolved pins: a module's own pin, else its parent's (innermost wins).
+    pins: dict[str, int] = {}
+    for path in paths:  # named_modules is pre-order: parents first
+        own = _pin_of(modules[path])
+        inherited = pins.get(parent_of[path]) if parent_of[path] is not None else None
+        pin = own if own is not None else inherited
+        if pin is None:
+            pin = default_pin
+        if pin is not None:
+            pins[path] = pin
+
+    # First-call order of a subtree (min over it); None if nothing in it ran.
+    order: dict[str, float | None] = {}
+    position = {path: i for i, path in enumerate(paths)}
+    for path in reversed(paths):
+        own = traces[path].first_call if traces else position[path]
+        candidates = [o for o in [own, *(order[c] for c in children_of[path])] if o is not None]
+        order[path] = min(candidates) if candidates else None
+    order[""] = -1
+
+    # Never-called subtrees fold into their nearest called ancestor.
+    home: dict[str, str] = {}
+    for path in paths:
+        parent = parent_of[path]
+        home[path] = path if order[path] is not None or parent is None else home[parent]
+
+    # Shared parameters merge their owners (transitively).
+    uf = _UnionFind([p for p in paths if home[p] == p])
+    owner_of_param: dict[int, str] = {}
+    for path in paths:
+        for param in _own_parameters(modules[path]):
+            owner = home[path]
+            if id(param) in owner_of_param:
+                uf.union(owner_of_param[id(param)], owner)
+            else:
+                owner_of_param[id(param)] = owner
+
+    def cost_of(path: str) -> tuple[float, float]:
+        if traces is None:
+            return 1.0, 0.0  # skip_tracing: module counts stand for compute
+        record = traces[path]
+        return (record.seconds if use_time else record.flops), float(record.output_bytes)
+
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        groups.setdefault(uf.find(home[path]), []).append(path)
+
+    # Attach each merged node at the lowest common ancestor of its members' parents.
+    def ancestors(path: str) -> list[str]:
+        chain = []
+        p: str | None = path
+        while p is not None:
+            chain.append(p)
+            p = parent_of[p]
+        return chain
+
+    def representative(path: str) -> str:
+        return uf.find(home[path])
+
+    # A merged node hangs below the lowest common ancestor of its members (outside the group).
+    root_rep = representative("")
+    node_parent: dict[str, str | None] = {root_rep: None}
+    for rep, members in groups.items():
+        if rep == root_rep:
+            continue
+        common: list[str] | None = None
+        for head in (m for m in members if home[m] == m):
+            up = ancestors(parent_of[head]) if parent_of[head] is not None else [""]
+            common = up if common is None else [a for a in common if a in set(up)]
+        anchor = next((a for a in common or [] if representative(a) != rep), "")
+        node_parent[rep] = representative(anchor)
+
+    # Order: parents before children, siblings by first call (pre-order walk).
+    node_children: dict[str, list[str]] = {rep: [] for rep in groups}
+    for rep, parent in node_parent.items():
+        if parent is not None:
+            node_children[parent].append(rep)
+    for reps in node_children.values():
+        reps.sort(key=lambda r: (min(order[m] for m in groups[r] if order[m] is not None), r))
+
+    # Merges across subtrees can, in contrived models, make a group hang below its own
+    # descendant; anything the walk from the root cannot reach is attached to the root.
+    reachable, frontier = {root_rep}, [root_rep]
+    while frontier:
+        for child in node_children[frontier.pop()]:
+            if child not in reachable:
+                reachable.add(child)
+                frontier.append(child)
+    for rep in groups:
+        if rep not in reachable:
+            node_children[node_parent[rep]].remove(rep)
+            node_children[root_rep].append(rep)
+
+    nodes: list[_Node] = []
+    index_of: dict[str, int] = {}
+    walk = [(root_rep, -1)]
+    while walk:
+        rep, parent_index = walk.pop()
+        members = groups[rep]
+        compute = activation = 0.0
+        param_bytes = 0.0
+        seen_params: set[int] = set()
+        for member in members:
+            c, a = cost_of(member)
+            compute += c
+            activation += a
+            for param in _own_parameters(modules[member]):
+                if id(param) not in seen_params:
+                    seen_params.add(id(param))
+                    param_bytes += param.numel() * param.element_size()
+        member_pins = {pins[m] for m in members if m in pins}
+        head = min((m for m in members if home[m] == m), key=lambda m: (m.count("."), m))
+        pin = pins.get(head, next(iter(member_pins)) if member_pins else -1)
+        child_modules = [modules[c] for c in children_of[head] if home[c] == c]
+        index_of[rep] = len(nodes)
+        nodes.append(
+            _Node(
+                name=" + ".join(
+                    m or "<root>" for m in sorted(members, key=position.__getitem__)[:4]
+                ),
+                members=members,
+                parent=parent_index,
+                compute=compute,
+                param_bytes=param_bytes,
+                activation_bytes=activation,
+                pin=pin,
+                chain=_is_chain(modules[head], child_modules),
+            )
+        )
+        for child in reversed(node_children[rep]):
+            walk.append((child, index_of[rep]))
+    node_of_path = {path: index_of[representative(path)] for path in paths}
+    return nodes, node_of_path
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+
+class PartitionPlan:
+    """Where every module runs, and what each stage holds.
+
+    Attributes:
+        num_stages: the pipeline degree the plan is for.
+        assignment: {module path: stage} for every module ("" is the root module).
+        stage_cost: normalised cost per stage (sums to 1).
+        stage_param_bytes, stage_activation_bytes, stage_compute: per-stage sums.
+        imbalance: max / mean of stage_cost (1.0 is perfect balance).
+    """
+
+    def __init__(self, module: nn.Module, nodes: list[_Node], node_of_path, core_plan, cost_unit):
+        self.num_stages = len(core_plan.stage_cost)
+        self.assignment = {path: core_plan.stage[i] for path, i in node_of_path.items()}
+        self.stage_cost = list(core_plan.stage_cost)
+        self.stage_param_bytes = list(core_plan.stage_param_bytes)
+        self.stage_activation_bytes = list(core_plan.stage_activation_bytes)
+        self.stage_compute = list(core_plan.stage_compute)
+        self.imbalance = float(core_plan.imbalance)
+        self.cost_unit = cost_unit
+        # The core's nodes in execution (pre-)order, for analysis and benchmarks.
+        self.node_names = [n.name for n in nodes]
+        self.node_costs = list(core_plan.node_cost)
+        self.node_stages = list(core_plan.stage)
+        self.node_param_bytes = [n.param_bytes for n in nodes]
+        self._children = {
+            path: [f"{path}.{n}" if path else n for n, _ in m.named_children()]
+            for path, m in module.named_modules()
+        }
+        self._node_of_path = dict(node_of_path)
+
+    def stage_of(self, path: str) -> int:
+        return self.assignment[path]
+
+    def _whole_on(self, path: str, stage: int, memo: dict) -> bool:
+        key = (path, stage)
+        if key not in memo:
+            memo[key] = self.assignment.get(path) == stage and all(
+                self._whole_on(c, stage, memo)
+                for c in self._children.get(path, [])
+                if c in self.assignment
+            )
+        return memo[key]
+
+    def stage_modules(self, stage: int) -> list[str]:
+        """The modules of ``stage`` as whole subtrees, runs of numbered siblings collapsed
+        (``h.0–h.5``); a module that runs here but has submodules elsewhere is marked (own)."""
+        memo: dict = {}
+        items: list[str] = []
+
+        def visit(path: str) -> None:
+            if self._whole_on(path, stage, memo):
+                items.append(path or "<whole model>")
+                return
+            # A module split across stages is listed where its own work runs, if it has any.
+            node = self._node_of_path.get(path)
+            if self.assignment.get(path) == stage and self.node_costs[node] >= 1e-3:
+                items.append(f"{path or '<root>'} (own)")
+            for child in self._children.get(path, []):
+                if child in self.assignment:
+                    visit(child)
+
+        visit("")
+        return _collapse_numbered(items)
+
+    def report(self) -> str:
+        """A table per stage: modules, parameter bytes, activation bytes, compute share."""
+        total_compute = sum(self.stage_compute) or 1.0
+        lines = [
+            f"smp partition: {self.num_stages} stages, imbalance {self.imbalance:.3f} "
+            "(max/mean cost)",
+            f"{'stage':>5}  {'cost':>6}  {'compute':>7}  {'params':>10}  {'activations':>11}  "
+            "modules",
+        ]
+        for s in range(self.num_stages):
+            modules = ", ".join(self.stage_modules(s)) or "-"
+            lines.append(
+                f"{s:>5}  {self.stage_cost[s]:>6.3f}  "
+                f"{self.stage_compute[s] / total_compute:>6.1%}  "
+                f"{_human_bytes(self.stage_param_bytes[s]):>10}  "
+                f"{_human_bytes(self.stage_activation_bytes[s]):>11}  {modules}"
+            )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.report()
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+_NUMBERED = re.compile(r"^(.*\.)?(\d+)$")
+
+
+def _collapse_numbered(items: list[str]) -> list[str]:
+    """["h.0", "h.1", "h.2", "ln_f"] -> ["h.0–h.2", "ln_f"]."""
+    out: list[str] = []
+    run: list[tuple[str, int]] = []
+
+    def flush():
+        if len(run) >= 3:
+            out.append(f"{run[0][0]}{run[0][1]}–{run[-1][0]}{run[-1][1]}")
+        else:
+            out.extend(f"{p}{i}" for p, i in run)
+        run.clear()
+
+    for item in items:
+        match = _NUMBERED.match(item)
+        if match:
+            prefix, index = match.group(1) or "", int(match.group(2))
+            if run and run[-1][0] == prefix and run[-1][1] + 1 == index:
+                run.append((prefix, index))
+                continue
+            flush()
+            run.append((prefix, index))
+            continue
+        flush()
+        out.append(item)
+    flush()
+    return out
+
+
+def build_plan(
+    module: nn.Module,
+    num_stages: int,
+    traces: dict[str, ModuleTrace] | None,
+    memory_weight: float,
+    auto_partition: bool = True,
+    default_partition: int = 0,
+    use_time: bool = False,
+) -> PartitionPlan:
+    """Turns traces (or None for skip_tracing) into a plan with the core's partitioner.
+
+    Raises:
+        ValueError: a pin outside [0, num_stages), or fewer placeable modules than stages.
+    """
+    for path, submodule in module.named_modules():
+        pin = _pin_of(submodule)
+        if pin is not None and pin >= num_stages:
+            raise ValueError(
+                f"smp: module '{path or '<root>'}' is placed on stage {pin}, but "
+                f"pipeline_parallel_degree is {num_stages}; use a stage in [0, {num_stages})"
+            )
+    nodes, node_of_path = _build_nodes(
+        module, traces, use_time, None if auto_partition else default_partition
+    )
+    core_nodes = [
+        _C.PartitionNode(
+            name=n.name,
+            parent=n.parent,
+            compute=n.compute,
+            param_bytes=n.param_bytes,
+            activation_bytes=n.activation_bytes,
+            pin=n.pin,
+            chain=n.chain,
+        )
+        for n in nodes
+    ]
+    options = _C.PartitionOptions(num_stages=num_stages, memory_weight=memory_weight)
+    core_plan = _C.partition(core_nodes, options)
+    unit = "module count" if traces is None else ("seconds" if use_time else "FLOPs")
+    return PartitionPlan(module, nodes, node_of_path, core_plan, unit)
+
+
+def plan_partition(
+    module: nn.Module,
+    example_inputs: Any,
+    pipeline_parallel_degree: int = 2,
+    *,
+    trace_execution_times: bool = False,
+    **config: Any,
+) -> PartitionPlan:
+    """Computes the partition smp would use, in this process, without launching anything.
+
+    Args:
+        module: the model (not wrapped).
+        example_inputs: one microbatch: a tensor, a tuple of positional arguments, or a dict of
+            keyword arguments.
+        pipeline_parallel_degree: the number of stages to plan for.
+        trace_execution_times: use measured times instead of FLOPs for compute.
+        **config: other smp config keys that shape the plan: memory_weight, optimize,
+            auto_partition, default_partition, skip_tracing.
+
+    Returns:
+        A :class:`PartitionPlan`; ``plan.report()`` is the table ``model.partition_report()`` shows.
+
+    Example:
+        plan = smp.plan_partition(GPT(cfg), torch.zeros(1, 128, dtype=torch.long), 4)
+        print(plan.report())
+    """
+    cfg = build_config({"pipeline_parallel_degree": pipeline_parallel_degree, **config})
+    traces = None
+    if not cfg.skip_tracing:
+        if isinstance(example_inputs, dict):
+            run = lambda: module(**example_inputs)  # noqa: E731
+        elif isinstance(example_inputs, (tuple, list)):
+            run = lambda: module(*example_inputs)  # noqa: E731
+        else:
+            run = lambda: module(example_inputs)  # noqa: E731
+        traces = trace_modules(module, run, trace_execution_times)
+    return build_plan(
+        module,
+        cfg.pipeline_parallel_degree,
+        traces,
+        cfg.memory_weight,
+        cfg.auto_partition,
+        cfg.default_partition,
+        use_time=trace_execution_times,
+    )
