@@ -50,6 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=HERE / "data" / "tiny.txt")
     p.add_argument("--log-every", type=int, default=10, help="steps between lines when not a TTY")
     p.add_argument(
+        "--preview-stages",
+        type=int,
+        default=4,
+        help="print smp's partition of the model over this many pipeline stages (0: off)",
+    )
+    p.add_argument(
         "--eval-every",
         type=int,
         default=0,
@@ -133,6 +139,14 @@ def main(argv=None) -> int:
     )
     net = GPT(cfg)
     n_params = net.num_parameters()
+    if smp.rank() == 0 and args.preview_stages > 1:
+        # What the automatic partitioner would do with this model over more pipeline stages.
+        example_BT = torch.zeros(
+            args.batch_size // args.microbatches, args.seq_len, dtype=torch.long
+        )
+        plan = smp.plan_partition(net, example_BT, args.preview_stages)
+        print(f"partition preview for pipeline_parallel_degree={args.preview_stages}:")
+        print(plan.report(), flush=True)
     model = smp.DistributedModel(net)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
 
