@@ -1,0 +1,1 @@
+"""The pipeline runtime (design.md §4): module servers exchanging calls between stages."""
