@@ -1,0 +1,130 @@
+"""Data-parallel throughput: smp against torch DistributedDataParallel, same model, same run.
+
+Two gloo processes on CPU (one thread each) train the demo GPT for the same number of steps,
+first with smp (``microbatches=1``: smp's bucketed all-reduce after the step) and then with DDP
+(overlapping bucketed all-reduce during backward), and report samples/s and the ratio.
+
+    .venv/bin/python benchmarks/data_parallel.py [--steps 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+
+
+def _model(seed: int):
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128))
+
+
+def _batches(steps: int, batch: int, rank: int):
+    g = torch.Generator().manual_seed(1000 + rank)
+    tokens = torch.randint(0, 256, (steps, batch, 65), generator=g)
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def _timed(run_step, batches, warmup: int) -> float:
+    for x, y in batches[:warmup]:
+        run_step(x, y)
+    dist.barrier()
+    start = time.perf_counter()
+    for x, y in batches[warmup:]:
+        run_step(x, y)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _worker(rank: int, world: int, port: int, steps: int, batch: int, rounds: int, out) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    from model import lm_loss
+
+    import smp
+
+    warmup = 3
+    batches = _batches(steps + warmup, batch, rank)
+
+    smp.init({"microbatches": 1})
+    model = smp.DistributedModel(_model(0))
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = lm_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    def smp_step(x, y):
+        opt.zero_grad()
+        train_step(model, x, y)
+        opt.step()
+
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(0))
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+
+    def ddp_step(x, y):
+        ddp_opt.zero_grad()
+        lm_loss(ddp(x), y).backward()
+        ddp_opt.step()
+
+    # Alternate the two, best of `rounds` each, so drift in machine load hits both alike.
+    smp_seconds = ddp_seconds = float("inf")
+    for _ in range(rounds):
+        smp_seconds = min(smp_seconds, _timed(smp_step, batches, warmup))
+        ddp_seconds = min(ddp_seconds, _timed(ddp_step, batches, warmup))
+    smp.shutdown()
+    if rank == 0:
+        samples = steps * batch * world
+        out.put(
+            {"smp_samples_per_s": samples / smp_seconds, "ddp_samples_per_s": samples / ddp_seconds}
+        )
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timed rounds")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    mp.start_processes(_worker, args=(2, port, args.steps, args.batch, args.rounds, out), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    result = out.get(timeout=10)
+    result["ratio_smp_over_ddp"] = result["smp_samples_per_s"] / result["ddp_samples_per_s"]
+    print(f"world 2 (gloo, CPU, 1 thread each), GPT 0.8M params, {args.batch} samples/rank/step")
+    print(f"smp  {result['smp_samples_per_s']:8.1f} samples/s")
+    print(f"DDP  {result['ddp_samples_per_s']:8.1f} samples/s")
+    print(f"smp / DDP = {result['ratio_smp_over_ddp']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
