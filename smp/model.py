@@ -195,7 +195,7 @@ class DistributedModel(nn.Module):
                 "partition_report() are available after it (smp.plan_partition previews the plan)"
             )
         if self._partition_plan is None:
-            from smp.partition import build_plan
+            from smp.partitioning import build_plan
 
             self._partition_plan = build_plan(
                 self.module, 1, None, get_state().config.memory_weight
@@ -220,7 +220,7 @@ class DistributedModel(nn.Module):
         ``run_first_microbatch`` runs the step function on microbatch 0; tracing stops it right
         after the model's forward. Any failure is raised on every rank.
         """
-        from smp.partition import build_plan, trace_modules
+        from smp.partitioning import build_plan, trace_modules
 
         state = get_state()
         cfg = state.config
