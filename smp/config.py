@@ -114,21 +114,30 @@ class Config:
         _check_choice("optimize", self.optimize, _OPTIMIZE)
         _check_choice("backend", self.backend, _BACKENDS)
         placement = self.placement_strategy
-        if not (isinstance(placement, str) and
-                (placement in _NAMED_PLACEMENTS or placement in _PERMUTATIONS)):
-            _fail("placement_strategy",
-                  '"cluster", "spread" or a permutation of the letters D, P, T (e.g. "PDT")',
-                  placement)
+        if not (
+            isinstance(placement, str)
+            and (placement in _NAMED_PLACEMENTS or placement in _PERMUTATIONS)
+        ):
+            _fail(
+                "placement_strategy",
+                '"cluster", "spread" or a permutation of the letters D, P, T (e.g. "PDT")',
+                placement,
+            )
         timeout = self.timeout_s
-        if not (isinstance(timeout, int | float) and not isinstance(timeout, bool)
-                and math.isfinite(timeout) and timeout > 0):
+        if not (
+            isinstance(timeout, int | float)
+            and not isinstance(timeout, bool)
+            and math.isfinite(timeout)
+            and timeout > 0
+        ):
             _fail("timeout_s", "a positive finite number of seconds", timeout)
 
         weight = self.memory_weight
         if weight is None:
             weight = 0.2 if self.optimize == "speed" else 0.8
-        elif not (isinstance(weight, int | float) and not isinstance(weight, bool)
-                  and 0 <= weight <= 1):
+        elif not (
+            isinstance(weight, int | float) and not isinstance(weight, bool) and 0 <= weight <= 1
+        ):
             _fail("memory_weight", "a number in [0, 1]", weight)
         object.__setattr__(self, "memory_weight", float(weight))
 
@@ -136,13 +145,14 @@ class Config:
         if active is None:
             active = min(pp + 2, self.microbatches)
         elif not (_is_int(active) and 1 <= active <= self.microbatches):
-            _fail("active_microbatches",
-                  f"an int in [1, microbatches={self.microbatches}]", active)
+            _fail("active_microbatches", f"an int in [1, microbatches={self.microbatches}]", active)
         object.__setattr__(self, "active_microbatches", active)
 
         if self.fp16 and self.bf16:
-            raise ValueError('smp config: "fp16" and "bf16" are mutually exclusive, '
-                             "got both True; enable at most one")
+            raise ValueError(
+                'smp config: "fp16" and "bf16" are mutually exclusive, '
+                "got both True; enable at most one"
+            )
 
     @property
     def placement_order(self) -> str:
@@ -162,8 +172,9 @@ def _unknown_key(key: Any) -> ValueError:
     if isinstance(key, str):
         close = difflib.get_close_matches(key, _KEYS + tuple(_ALIASES), n=3)
         if close:
-            return ValueError(message + "; did you mean " +
-                              " or ".join(f'"{c}"' for c in close) + "?")
+            return ValueError(
+                message + "; did you mean " + " or ".join(f'"{c}"' for c in close) + "?"
+            )
     return ValueError(message + "; known keys: " + ", ".join(_KEYS + tuple(_ALIASES)))
 
 
@@ -185,17 +196,20 @@ def build_config(user: Mapping[str, Any] | None, world_size: int | None = None) 
     if user is None:
         user = {}
     if not isinstance(user, Mapping):
-        raise ValueError(f"smp config: the config must be a dict or None, "
-                         f"got {type(user).__name__} {user!r}")
+        raise ValueError(
+            f"smp config: the config must be a dict or None, got {type(user).__name__} {user!r}"
+        )
     kwargs: dict[str, Any] = {}
     for key in user:
         if key not in _KEYS and key not in _ALIASES:
             raise _unknown_key(key)
     for alias, name in _ALIASES.items():
         if alias in user and name in user and user[alias] != user[name]:
-            raise ValueError(f'smp config: "{name}" and its alias "{alias}" must agree, got '
-                             f"{name}={user[name]!r} and {alias}={user[alias]!r}; "
-                             "give only one of them")
+            raise ValueError(
+                f'smp config: "{name}" and its alias "{alias}" must agree, got '
+                f"{name}={user[name]!r} and {alias}={user[alias]!r}; "
+                "give only one of them"
+            )
     for key, value in user.items():
         name = _ALIASES.get(key, key)
         if name not in kwargs or key == name:
@@ -211,10 +225,12 @@ def build_config(user: Mapping[str, Any] | None, world_size: int | None = None) 
             raise ValueError(
                 f"smp config: world size {world_size} is not divisible by "
                 f'"pipeline_parallel_degree" ({pp}) x "tensor_parallel_degree" ({tp}) = {mp}; '
-                f"launch a multiple of {mp} processes or change the degrees")
+                f"launch a multiple of {mp} processes or change the degrees"
+            )
         if world_size > mp and not config.ddp:
             raise ValueError(
                 f'smp config: "ddp" must be True when world size {world_size} exceeds '
                 f"pipeline_parallel_degree x tensor_parallel_degree = {mp} (data parallelism "
-                f"over the extra ranks), got False; set ddp=True or launch {mp} processes")
+                f"over the extra ranks), got False; set ddp=True or launch {mp} processes"
+            )
     return config
