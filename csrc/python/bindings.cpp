@@ -10,4 +10,6 @@ PYBIND11_MODULE(_C, m) {
   smp::python::init_topology_bindings(m);
   smp::python::init_partition_bindings(m);
   smp::python::init_comm_bindings(m);
+  smp::python::init_transport_bindings(m);
+  smp::python::init_policy_bindings(m);
 }

@@ -8,5 +8,7 @@ namespace smp::python {
 void init_topology_bindings(pybind11::module_& m);
 void init_partition_bindings(pybind11::module_& m);
 void init_comm_bindings(pybind11::module_& m);
+void init_transport_bindings(pybind11::module_& m);
+void init_policy_bindings(pybind11::module_& m);
 
 }  // namespace smp::python

@@ -1,164 +1,30 @@
 #include "smp/pytorch/grad_reduce.h"
 
 #include <gtest/gtest.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <limits>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <ostream>
 #include <stdexcept>
 #include <string>
-#include <thread>
-#include <utility>
 #include <vector>
 
 #include "smp/error.h"
+#include "thread_world.h"
 
-// Why not c10d::ProcessGroupGloo: libtorch_cpu.so exports its symbols, but its header
-// (ProcessGroupGloo.hpp) includes <gloo/...> headers that the torch wheel does not ship, so C++
-// code outside torch cannot construct one. The real gloo path is covered by
-// tests/python/unit/test_grad_reduce.py. Here each rank is a thread of one process, and the ranks
-// meet in ThreadWorld, an in-memory c10d::Backend plugged into a real c10d::ProcessGroup: the
-// collectives go through torch's dispatcher (c10d::allreduce_) exactly as with gloo.
+// Ranks are threads meeting in ThreadWorld (thread_world.h), an in-memory c10d backend: the
+// collectives go through torch's dispatcher exactly as with gloo. The real gloo path is covered by
+// tests/python/unit/test_grad_reduce.py.
 
 namespace smp::pytorch {
 namespace {
 
-// A hang (e.g. ranks issuing different collectives) fails the test instead of blocking ctest.
-constexpr auto kWaitTimeout = std::chrono::seconds(30);
-
-// A Work that ThreadWorld completes once every rank has contributed to its collective.
-class ThreadWork : public c10d::Work {
- public:
-  explicit ThreadWork(int rank) : c10d::Work(rank, c10d::OpType::ALLREDUCE) {}
-
-  void complete(std::exception_ptr error = nullptr) { finish(std::move(error)); }
-
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return completed_;
-  }
-
-  bool wait(std::chrono::milliseconds /*timeout*/) override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!cv_.wait_for(lock, kWaitTimeout, [this] { return completed_; })) {
-      throw std::runtime_error("ThreadWork: timed out; did the ranks issue different collectives?");
-    }
-    if (exception_) std::rethrow_exception(exception_);
-    return true;
-  }
-};
-
-// The meeting point of the ranks: the k-th allreduce of every rank forms collective k. The last
-// rank to arrive sums the contributions, writes the sum into every rank's tensor and completes
-// every rank's Work, so a rank that reads its tensor without waiting sees stale data.
-class ThreadWorld {
- public:
-  explicit ThreadWorld(int world_size) : world_size_(world_size) {}
-
-  // Makes collective `seq` fail (issue: allreduce throws; complete: its Work fails).
-  int fail_issue_at = -1;
-  int fail_complete_at = -1;
-
-  void contribute(int64_t seq, int rank, const at::Tensor& tensor,
-                  const c10::intrusive_ptr<ThreadWork>& work) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    Slot& slot = slots_[seq];
-    slot.tensors.emplace(rank, tensor);
-    slot.works.push_back(work);
-    if (static_cast<int>(slot.tensors.size()) < world_size_) return;
-
-    std::exception_ptr error;
-    if (seq == fail_complete_at) {
-      error = std::make_exception_ptr(std::runtime_error("ThreadWorld: injected failure"));
-    } else {
-      at::Tensor sum = at::zeros_like(slot.tensors.begin()->second);
-      for (const auto& [r, t] : slot.tensors) sum.add_(t);  // in rank order: deterministic
-      for (auto& [r, t] : slot.tensors) t.copy_(sum);
-    }
-    for (const auto& w : slot.works) w->complete(error);
-    slots_.erase(seq);
-  }
-
- private:
-  struct Slot {
-    std::map<int, at::Tensor> tensors;
-    std::vector<c10::intrusive_ptr<ThreadWork>> works;
-  };
-  const int world_size_;
-  std::mutex mutex_;
-  std::map<int64_t, Slot> slots_;
-};
-
-// One rank's backend over a ThreadWorld; it also records what the code under test asked for.
-class ThreadBackend : public c10d::Backend {
- public:
-  ThreadBackend(int rank, int size, std::shared_ptr<ThreadWorld> world)
-      : c10d::Backend(rank, size), world_(std::move(world)) {}
-
-  const std::string getBackendName() const override { return "smp_thread_world"; }
-
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
-                                           const c10d::AllreduceOptions& opts) override {
-    const int64_t seq = num_allreduce_++;
-    if (opts.reduceOp != c10d::ReduceOp::SUM) num_non_sum_ops_++;
-    if (tensors.size() != 1) throw std::logic_error("ThreadBackend: expected one tensor");
-    if (seq == world_->fail_issue_at) throw std::runtime_error("ThreadBackend: injected failure");
-    auto work = c10::make_intrusive<ThreadWork>(getRank());
-    world_->contribute(seq, getRank(), tensors[0], work);
-    return work;
-  }
-
-  std::atomic<int64_t> num_allreduce_{0};
-  std::atomic<int64_t> num_non_sum_ops_{0};
-
- private:
-  std::shared_ptr<ThreadWorld> world_;
-};
-
-struct Rank {
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
-  c10::intrusive_ptr<ThreadBackend> backend;
-};
-
-Rank make_rank(const std::shared_ptr<ThreadWorld>& world, int rank, int world_size) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world_size);
-  auto backend = c10::make_intrusive<ThreadBackend>(rank, world_size, world);
-  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, backend);
-  group->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
-  return {group, backend};
-}
-
-// Runs body(rank, Rank&) on `world_size` threads, one per rank, and returns each rank's exception
-// (null if it returned normally).
-template <typename Body>
-std::vector<std::exception_ptr> run_ranks(int world_size, const std::shared_ptr<ThreadWorld>& world,
-                                          std::vector<Rank>& ranks, Body body) {
-  ranks.clear();
-  for (int r = 0; r < world_size; ++r) ranks.push_back(make_rank(world, r, world_size));
-  std::vector<std::exception_ptr> errors(world_size);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world_size; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(r, ranks[r]);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
-}
+using test_util::make_rank;
+using test_util::Rank;
+using test_util::run_ranks;
+using test_util::ThreadWorld;
 
 // The tensors of the reduction tests, with bucket_bytes = 64 in mind (sizes in bytes):
 //   0: f32 [2,4] 32   1: f64 [4] 32     2: f32 [4,4] 64 (fills a bucket exactly)

@@ -1,0 +1,160 @@
+// Bindings of the pipeline runtime's message transport (smp/pytorch/transport.h).
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+// The ProcessGroup argument crosses as torch's own holder; see Note [ProcessGroup across the
+// pybind11 boundary] in comm_bindings.cpp.
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <optional>
+
+#include "python/bindings.h"
+#include "smp/error.h"
+#include "smp/pytorch/transport.h"
+
+namespace py = pybind11;
+
+namespace smp::python {
+namespace {
+
+using pytorch::Message;
+using pytorch::Transport;
+using pytorch::TransportError;
+
+// Seconds (a Python float) to milliseconds, rounded up so that a small positive timeout never
+// becomes 0. Longer than a year is clamped to a year (the waits would overflow otherwise).
+std::chrono::milliseconds to_millis(double seconds, const char* name, bool allow_zero) {
+  SMP_CHECK(std::isfinite(seconds) && (allow_zero ? seconds >= 0 : seconds > 0), name, " must be ",
+            allow_zero ? ">= 0" : "> 0", " seconds and finite, got ", seconds);
+  const double millis = std::ceil(std::min(seconds, 365.0 * 24 * 3600) * 1000.0);
+  return std::chrono::milliseconds(static_cast<int64_t>(millis));
+}
+
+// The destructor may join receiver threads (Transport::abort()): do not hold the GIL meanwhile,
+// since the backend's side of a wake-up may need it (see comm_bindings.cpp on gloo and the GIL).
+struct DeleteWithoutGil {
+  void operator()(Transport* transport) const {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      delete transport;
+    } else {
+      delete transport;
+    }
+  }
+};
+
+}  // namespace
+
+void init_transport_bindings(py::module_& m) {
+  // A timeout or backend failure of the transport: RuntimeError, with the peer(s) named in the
+  // message. (smp::Error, a user mistake, is ValueError; see bindings.cpp.)
+  py::register_exception<TransportError>(m, "TransportError", PyExc_RuntimeError);
+
+  py::class_<Transport, std::unique_ptr<Transport, DeleteWithoutGil>>(
+      m, "Transport",
+      R"doc(Point-to-point messages between this rank and its peers (smp/pytorch/transport.h).
+
+One FIFO channel per peer: messages from one peer arrive in the order they were sent. A message
+is a list of ints (the header) plus a list of CPU tensors. Each step: start(), any number of
+send()/recv(), then finish() on every rank (it exchanges END with every peer); start() may then
+open the next step. The blocking calls release the GIL.
+
+Args:
+    group: a torch.distributed.ProcessGroup, e.g. from dist.new_group().
+    peers: group ranks this rank talks to (distinct, not itself); symmetric across ranks.
+    timeout_s: bounds the waits of send() and finish(), seconds > 0.
+    tag: the point-to-point tag, >= 0; one per Transport on a group.
+
+Raises:
+    ValueError: a bad group, peer list, timeout or tag.
+)doc")
+      .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<int> peers,
+                       double timeout_s, int tag) {
+             return std::unique_ptr<Transport, DeleteWithoutGil>(new Transport(
+                 group, std::move(peers), to_millis(timeout_s, "timeout_s", false), tag));
+           }),
+           py::arg("group"), py::arg("peers"), py::arg("timeout_s"), py::arg("tag"))
+      .def(
+          "start",
+          [](Transport& self) {
+            py::gil_scoped_release no_gil;
+            self.start();
+          },
+          "Opens the step: one receiver thread per peer. Raises ValueError if already started "
+          "or after a failure.")
+      .def(
+          "send",
+          [](Transport& self, int peer, const std::vector<int64_t>& header,
+             const std::vector<at::Tensor>& tensors) {
+            // Safe: the arguments are C++ values now; nothing below touches Python objects.
+            py::gil_scoped_release no_gil;
+            self.send(peer, header, tensors);
+          },
+          py::arg("peer"), py::arg("header"), py::arg("tensors"),
+          R"doc(Sends one message to `peer`; returns once the peer has taken every part.
+
+Raises:
+    ValueError: not started, unknown peer, an undefined/sparse/non-CPU tensor, or a header that
+        does not fit (see header_capacity), all before anything is sent.
+    TransportError: the backend failed or the peer did not take the message within timeout_s.
+)doc")
+      .def(
+          "recv",
+          [](Transport& self, double timeout_s) -> py::object {
+            const auto timeout = to_millis(timeout_s, "timeout_s", true);
+            std::optional<Message> message;
+            {
+              py::gil_scoped_release no_gil;
+              message = self.recv(timeout);
+            }
+            if (!message) return py::none();
+            return py::make_tuple(message->peer, message->header, message->tensors);
+          },
+          py::arg("timeout_s"),
+          R"doc(Returns the next message as (peer, header, tensors), waiting up to timeout_s.
+
+Messages from one peer come in the order they were sent. Returns None once every peer has called
+finish() and every message has been returned.
+
+Raises:
+    TransportError: nothing arrived within timeout_s (the message names the peers whose channels
+        are still open), or receiving from a peer failed (the message names it).
+    ValueError: not started.
+)doc")
+      .def(
+          "finish",
+          [](Transport& self) {
+            py::gil_scoped_release no_gil;
+            self.finish();
+          },
+          R"doc(Ends the step: sends END to every peer and waits for theirs (within timeout_s).
+
+Raises:
+    TransportError: a peer did not call finish() in time (named), a receive failed, or received
+        messages were never taken by recv(); the transport is then aborted.
+    ValueError: not started.
+)doc")
+      .def(
+          "abort",
+          [](Transport& self) {
+            py::gil_scoped_release no_gil;
+            self.abort();
+          },
+          "Stops now without END (error paths): wakes and joins the receivers; pending and "
+          "later recv() raise TransportError. The group's channels on this tag must not be "
+          "reused afterwards.")
+      .def_static("header_capacity", &Transport::header_capacity, py::arg("tensors"),
+                  "How many header ints fit in one message with these tensors.")
+      .def_property_readonly("rank", &Transport::rank)
+      .def_property_readonly("peers", &Transport::peers)
+      .def_property_readonly("tag", &Transport::tag)
+      .def_property_readonly("timeout_s",
+                             [](const Transport& self) { return self.timeout().count() / 1000.0; })
+      .def_property_readonly("started", &Transport::started);
+}
+
+}  // namespace smp::python

@@ -1,0 +1,675 @@
+#include "smp/pytorch/transport.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include "smp/error.h"
+
+namespace smp::pytorch {
+
+using ::smp::internal::concat;
+
+// Note [Wire header]
+// A message starts with one int64 tensor of Transport::kHeaderSlots entries:
+//   [0]  kMagic      catches a peer that speaks something else on this (group, tag)
+//   [1]  kind        kData, or kEnd (the peer's finish(): its last message of the step)
+//   [2]  seq         index of the message on its channel since start(), END included
+//   [3]  H           number of header ints
+//   [4]  N           number of tensors
+//   then per tensor: dtype (c10::ScalarType as an integer), ndim, size_0 ... size_{ndim-1}
+//   then the H header ints; the rest is zero.
+// The receiver checks magic, kind and seq, so a foreign, lost or duplicated message fails with
+// the peer named instead of pairing a header with the wrong payloads. The payloads follow in
+// tensor order, one send each, as bytes (a uint8 view of the contiguous tensor: any dtype, and
+// the backend need not support it); tensors with no elements send nothing.
+
+namespace internal {
+namespace {
+
+constexpr int64_t kMagic = 0x736d7074726e7331;  // "smptrns1"
+constexpr int64_t kData = 0;
+constexpr int64_t kEnd = 1;
+constexpr int64_t kFixedSlots = 5;
+// Longer waits are clamped (a caller may pass "forever"): deadlines must not overflow.
+constexpr std::chrono::milliseconds kMaxWait = std::chrono::hours(24 * 365);
+
+std::chrono::milliseconds clamp_wait(std::chrono::milliseconds timeout) {
+  return std::min(timeout, kMaxWait);
+}
+
+std::string join(const std::vector<int>& values) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
+  out << "]";
+  return out.str();
+}
+
+// The text of the exception in `error` (which must be non-null).
+std::string what(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+// A byte view of a contiguous tensor (shares its storage): payloads travel as bytes.
+at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view(at::kByte); }
+
+}  // namespace
+
+enum class Phase { kIdle, kRunning, kFinishing, kFailed };
+
+// One peer's channel. Lock order: TransportState::mutex is never held while taking the others.
+struct Channel {
+  explicit Channel(int peer_rank) : peer(peer_rank) {}
+  const int peer;
+
+  // Sending side: one message at a time, so that messages' parts never interleave.
+  std::mutex send_mutex;
+  int64_t send_seq = 0;      // guarded by send_mutex
+  bool send_broken = false;  // guarded by send_mutex: a failed send left a partial message
+
+  // Works in flight, so that abort() can wake whoever waits on them.
+  std::mutex work_mutex;
+  bool stop = false;                                          // guarded by work_mutex
+  c10::intrusive_ptr<c10d::Work> pending_recv;                // guarded by work_mutex
+  std::vector<c10::intrusive_ptr<c10d::Work>> pending_sends;  // guarded by work_mutex
+
+  // Receiving side; `open` and `done` are guarded by TransportState::mutex.
+  bool open = false;     // the receiver runs and END has not arrived
+  bool done = true;      // the receiver thread has finished (or was never started)
+  std::thread receiver;  // joined/detached under TransportState::threads_mutex
+};
+
+struct TransportState {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  int rank = -1;
+  std::vector<int> peers;
+  std::chrono::milliseconds timeout{0};
+  int tag = 0;
+  std::map<int, std::unique_ptr<Channel>> channels;  // fixed after construction
+
+  std::mutex mutex;            // guards the fields below and Channel::{open, done}
+  std::condition_variable cv;  // signalled when any of them changes
+  Phase phase = Phase::kIdle;
+  bool aborted = false;
+  std::deque<Message> inbox;
+  std::exception_ptr first_error;  // of a receiver thread, or of abort()
+
+  std::mutex threads_mutex;  // serialises joining/detaching Channel::receiver
+
+  std::string where() const { return concat("Transport(rank ", rank, ", tag ", tag, ")"); }
+
+  Channel* channel(int peer) const {
+    auto it = channels.find(peer);
+    return it == channels.end() ? nullptr : it->second.get();
+  }
+};
+
+namespace {
+
+TransportError error_for(const TransportState& s, int peer, const std::string& message) {
+  return TransportError(concat(s.where(), ": ", message), {peer});
+}
+
+// Posts one receive of `buffer` from the channel's peer and waits for it, up to `timeout`.
+// Returns false if the transport was aborted; throws TransportError naming the peer on a backend
+// failure.
+bool receive_part(TransportState& s, Channel& c, const at::Tensor& buffer,
+                  std::chrono::milliseconds timeout, const std::string& part) {
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    std::lock_guard<std::mutex> lock(c.work_mutex);
+    if (c.stop) return false;
+    std::vector<at::Tensor> buffers{buffer};
+    try {
+      work = s.group->recv(buffers, c.peer, s.tag);
+    } catch (...) {
+      throw error_for(s, c.peer,
+                      concat("receiving ", part, " from peer ", c.peer,
+                             " failed: ", what(std::current_exception())));
+    }
+    c.pending_recv = work;
+  }
+  bool completed = false;
+  std::exception_ptr error;
+  try {
+    completed = work->wait(timeout);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  bool stopped = false;
+  {
+    std::lock_guard<std::mutex> lock(c.work_mutex);
+    c.pending_recv.reset();
+    stopped = c.stop;
+  }
+  if (stopped) return false;  // abort() woke us; whatever the wait says is a consequence
+  if (error) {
+    throw error_for(s, c.peer,
+                    concat("receiving ", part, " from peer ", c.peer, " failed: ", what(error)));
+  }
+  if (!completed) {
+    throw error_for(
+        s, c.peer,
+        concat("receiving ", part, " from peer ", c.peer, " was aborted by the backend"));
+  }
+  return true;
+}
+
+// Sends `parts` to the channel's peer, in order, and waits on every posted part (also after a
+// failure, so nothing is left reading the caller's tensors) within `timeout` in total. Throws
+// TransportError naming the peer. The caller holds c.send_mutex.
+void send_parts(TransportState& s, Channel& c, const std::vector<at::Tensor>& parts,
+                const std::string& message) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(c.work_mutex);
+    if (c.stop) {
+      throw error_for(s, c.peer, concat("sending ", message, ": the transport was aborted"));
+    }
+    for (const at::Tensor& part : parts) {
+      std::vector<at::Tensor> buffers{part};
+      try {
+        works.push_back(s.group->send(buffers, c.peer, s.tag));
+      } catch (...) {
+        error = std::current_exception();
+        break;
+      }
+    }
+    c.pending_sends = works;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + clamp_wait(s.timeout);
+  bool aborted = false;
+  for (const auto& work : works) {
+    // At least 1 ms: a wait of 0 ms means "no timeout" to c10d.
+    const auto left = std::max(std::chrono::milliseconds(1),
+                               std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   deadline - std::chrono::steady_clock::now()));
+    try {
+      if (!work->wait(left)) aborted = true;
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(c.work_mutex);
+    c.pending_sends.clear();
+    aborted = aborted || c.stop;
+  }
+  if (aborted) {
+    throw error_for(s, c.peer, concat("sending ", message, " to peer ", c.peer, " was aborted"));
+  }
+  if (error) {
+    throw error_for(s, c.peer,
+                    concat("sending ", message, " to peer ", c.peer,
+                           " failed (is its Transport started? timeout ", s.timeout.count(),
+                           " ms): ", what(error)));
+  }
+}
+
+// Sends one message (data or END) to `c.peer`: numbers it and serialises it with the channel's
+// other messages. `wire` is the encoded header with slot 2 (seq) still to fill.
+void send_message(TransportState& s, Channel& c, const at::Tensor& wire,
+                  std::vector<at::Tensor> payloads, const char* kind) {
+  std::lock_guard<std::mutex> lock(c.send_mutex);
+  if (c.send_broken) {
+    throw error_for(s, c.peer,
+                    concat("cannot send ", kind, " to peer ", c.peer,
+                           ": an earlier send to it failed and left the channel broken"));
+  }
+  wire.data_ptr<int64_t>()[2] = c.send_seq;
+  payloads.insert(payloads.begin(), wire);
+  try {
+    send_parts(s, c, payloads, concat(kind, " #", c.send_seq));
+  } catch (...) {
+    c.send_broken = true;
+    throw;
+  }
+  ++c.send_seq;
+}
+
+at::Tensor empty_wire() { return at::zeros({Transport::kHeaderSlots}, at::kLong); }
+
+struct Parsed {
+  int64_t kind = kData;
+  std::vector<int64_t> header;
+  std::vector<at::ScalarType> dtypes;
+  std::vector<std::vector<int64_t>> sizes;
+};
+
+// Decodes and checks a wire header (see Note [Wire header]); throws TransportError on anything
+// a well-behaved peer cannot have sent.
+Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int64_t seq) {
+  const int64_t* w = wire.data_ptr<int64_t>();
+  auto corrupt = [&](const std::string& why) {
+    return error_for(s, peer,
+                     concat("corrupt message #", seq, " from peer ", peer, ": ", why,
+                            " (is something else sending on tag ", s.tag, " of this group?)"));
+  };
+  if (w[0] != kMagic) throw corrupt(concat("bad magic number ", w[0]));
+  if (w[1] != kData && w[1] != kEnd) throw corrupt(concat("unknown kind ", w[1]));
+  if (w[2] != seq) throw corrupt(concat("sequence number ", w[2], ", expected ", seq));
+  Parsed parsed;
+  parsed.kind = w[1];
+  const int64_t num_header = w[3];
+  const int64_t num_tensors = w[4];
+  if (num_header < 0 || num_tensors < 0 || num_header > Transport::kHeaderSlots ||
+      num_tensors > Transport::kHeaderSlots) {
+    throw corrupt(concat(num_header, " header ints and ", num_tensors, " tensors"));
+  }
+  int64_t pos = kFixedSlots;
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    if (pos + 2 > Transport::kHeaderSlots) throw corrupt("tensor metadata overflows the header");
+    const int64_t dtype = w[pos];
+    const int64_t ndim = w[pos + 1];
+    pos += 2;
+    if (dtype < 0 || dtype >= static_cast<int64_t>(at::ScalarType::NumOptions) ||
+        dtype == static_cast<int64_t>(at::ScalarType::Undefined)) {
+      throw corrupt(concat("tensor ", i, " has dtype code ", dtype));
+    }
+    if (ndim < 0 || pos + ndim > Transport::kHeaderSlots) {
+      throw corrupt(concat("tensor ", i, " has ndim ", ndim));
+    }
+    std::vector<int64_t> sizes(w + pos, w + pos + ndim);
+    pos += ndim;
+    for (int64_t size : sizes) {
+      if (size < 0) throw corrupt(concat("tensor ", i, " has size ", size));
+    }
+    parsed.dtypes.push_back(static_cast<at::ScalarType>(dtype));
+    parsed.sizes.push_back(std::move(sizes));
+  }
+  if (pos + num_header > Transport::kHeaderSlots) throw corrupt("header ints overflow the header");
+  parsed.header.assign(w + pos, w + pos + num_header);
+  return parsed;
+}
+
+// Note [Idle receivers]
+// A receiver waits for the next header with a timeout of a year, not with the group's timeout
+// (what kNoTimeout means to gloo): a channel may legitimately stay idle for a whole step (two
+// stages that never call each other), and a gloo receive that times out does not fail alone — it
+// signals the error to the whole gloo context, closing every pair of the group. Hangs are caught
+// where someone waits for a message: recv(timeout) and finish() (its END wait); a peer that dies
+// surfaces at once as a backend error ("connection closed"); abort() wakes idle receivers through
+// Work::abort(). (Polling is no alternative: gloo's receive Work reports isCompleted() only
+// after wait() has returned.)
+
+// The body of the receiver thread of one peer: receive messages until END or abort(), appending
+// them to the inbox. Owns a reference to the state: it may outlive the Transport after abort().
+void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel) {
+  TransportState& s = *state;
+  Channel& c = *channel;
+  std::exception_ptr error;
+  try {
+    for (int64_t seq = 0;; ++seq) {
+      at::Tensor wire = at::empty({Transport::kHeaderSlots}, at::kLong);
+      // See Note [Idle receivers].
+      if (!receive_part(s, c, wire, kMaxWait, concat("the header of message #", seq))) break;
+      Parsed parsed = parse_wire(s, c.peer, wire, seq);
+      if (parsed.kind == kEnd) break;
+      Message message{c.peer, std::move(parsed.header), {}};
+      bool stopped = false;
+      for (size_t i = 0; i < parsed.dtypes.size() && !stopped; ++i) {
+        at::Tensor tensor = at::empty(parsed.sizes[i], at::TensorOptions().dtype(parsed.dtypes[i]));
+        if (tensor.numel() > 0) {
+          // The peer is sending this message now: its parts follow within the timeout.
+          stopped = !receive_part(s, c, as_bytes(tensor), clamp_wait(s.timeout),
+                                  concat("tensor ", i, " of message #", seq));
+        }
+        message.tensors.push_back(std::move(tensor));
+      }
+      if (stopped) break;
+      {
+        std::lock_guard<std::mutex> lock(s.mutex);
+        s.inbox.push_back(std::move(message));
+      }
+      s.cv.notify_all();
+    }
+  } catch (const TransportError&) {
+    error = std::current_exception();
+  } catch (...) {
+    error = std::make_exception_ptr(error_for(
+        s, c.peer,
+        concat("receiving from peer ", c.peer, " failed: ", what(std::current_exception()))));
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    c.open = false;
+    c.done = true;
+    if (error && !s.first_error) s.first_error = error;
+  }
+  s.cv.notify_all();
+}
+
+bool all_done(const TransportState& s) {
+  return std::all_of(s.channels.begin(), s.channels.end(),
+                     [](const auto& entry) { return entry.second->done; });
+}
+
+std::vector<int> open_peers(const TransportState& s) {
+  std::vector<int> peers;
+  for (const auto& [peer, channel] : s.channels) {
+    if (channel->open) peers.push_back(peer);
+  }
+  return peers;
+}
+
+void abort_state(TransportState& s) noexcept {
+  try {
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      if (s.phase == Phase::kIdle || s.aborted) return;
+      s.aborted = true;
+      s.phase = Phase::kFailed;
+      if (!s.first_error) {
+        s.first_error = std::make_exception_ptr(
+            TransportError(concat(s.where(), ": aborted"), std::vector<int>(s.peers)));
+      }
+    }
+    s.cv.notify_all();
+    // Wake every waiter. Work::abort() may be unsupported (it throws): then the receiver ends
+    // when the backend gives up, and is detached below.
+    for (const auto& [peer, c] : s.channels) {
+      std::lock_guard<std::mutex> lock(c->work_mutex);
+      c->stop = true;
+      if (c->pending_recv) {
+        try {
+          c->pending_recv->abort();
+        } catch (...) {
+        }
+      }
+      for (const auto& work : c->pending_sends) {
+        try {
+          work->abort();
+        } catch (...) {
+        }
+      }
+    }
+    std::vector<bool> done;
+    {
+      std::unique_lock<std::mutex> lock(s.mutex);
+      s.cv.wait_for(lock, clamp_wait(s.timeout), [&] { return all_done(s); });
+      for (const auto& [peer, c] : s.channels) done.push_back(c->done);
+    }
+    std::lock_guard<std::mutex> lock(s.threads_mutex);
+    size_t i = 0;
+    for (const auto& [peer, c] : s.channels) {
+      if (c->receiver.joinable()) {
+        if (done[i]) {
+          c->receiver.join();
+        } else {
+          c->receiver.detach();  // it holds the state; see Transport::abort()
+        }
+      }
+      ++i;
+    }
+  } catch (...) {
+    // Never throws (destructor path); nothing above is expected to.
+  }
+}
+
+}  // namespace
+}  // namespace internal
+
+using internal::Channel;
+using internal::Phase;
+using internal::TransportState;
+
+Transport::Transport(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<int> peers,
+                     std::chrono::milliseconds timeout, int tag) {
+  SMP_CHECK(group, "Transport: group must not be null");
+  const int rank = group->getRank();
+  const int size = group->getSize();
+  SMP_CHECK(timeout.count() > 0, "Transport: timeout must be > 0 ms, got ", timeout.count());
+  SMP_CHECK(tag >= 0, "Transport: tag must be >= 0, got ", tag);
+  auto state = std::make_shared<TransportState>();
+  for (int peer : peers) {
+    SMP_CHECK(peer >= 0 && peer < size, "Transport: peer ", peer,
+              " is not a rank of the group (size ", size, ")");
+    SMP_CHECK(peer != rank, "Transport: peer ", peer,
+              " is this rank; list only the other ranks it talks to");
+    SMP_CHECK(!state->channels.count(peer), "Transport: peer ", peer, " is listed twice in ",
+              internal::join(peers));
+    state->channels.emplace(peer, std::make_unique<Channel>(peer));
+  }
+  state->group = std::move(group);
+  state->rank = rank;
+  state->peers = std::move(peers);
+  state->timeout = timeout;
+  state->tag = tag;
+  state_ = std::move(state);
+}
+
+Transport::~Transport() { abort(); }
+
+void Transport::start() {
+  TransportState& s = *state_;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    SMP_CHECK(s.phase != Phase::kFailed, s.where(),
+              ": start() after a failure or abort(); create a new Transport (and do not reuse "
+              "this group's channels on this tag)");
+    SMP_CHECK(s.phase == Phase::kIdle, s.where(),
+              ": start() called twice; call finish() to end the step first");
+    SMP_INTERNAL_ASSERT(s.inbox.empty(), "finish() left messages in the inbox");
+    s.first_error = nullptr;
+    for (const auto& [peer, c] : s.channels) {
+      c->open = true;
+      c->done = false;
+    }
+    s.phase = Phase::kRunning;
+  }
+  for (const auto& [peer, c] : s.channels) {
+    {
+      std::lock_guard<std::mutex> lock(c->send_mutex);
+      c->send_seq = 0;
+      c->send_broken = false;
+    }
+    std::lock_guard<std::mutex> lock(c->work_mutex);
+    c->stop = false;
+  }
+  try {
+    std::lock_guard<std::mutex> lock(s.threads_mutex);
+    for (const auto& [peer, c] : s.channels) {
+      c->receiver = std::thread(internal::receive_loop, state_, c.get());
+    }
+  } catch (...) {
+    {
+      // The receivers that did not start will never report: mark them done.
+      std::lock_guard<std::mutex> lock(s.threads_mutex);
+      std::lock_guard<std::mutex> state_lock(s.mutex);
+      for (const auto& [peer, c] : s.channels) {
+        if (!c->receiver.joinable()) {
+          c->open = false;
+          c->done = true;
+        }
+      }
+    }
+    internal::abort_state(s);
+    throw;
+  }
+}
+
+int64_t Transport::header_capacity(const std::vector<at::Tensor>& tensors) {
+  int64_t used = internal::kFixedSlots;
+  for (const at::Tensor& tensor : tensors) used += 2 + (tensor.defined() ? tensor.dim() : 0);
+  return kHeaderSlots - used;
+}
+
+void Transport::send(int peer, const std::vector<int64_t>& header,
+                     const std::vector<at::Tensor>& tensors) {
+  TransportState& s = *state_;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    SMP_CHECK(s.phase == Phase::kRunning, s.where(), ": send() needs an open step: ",
+              s.phase == Phase::kIdle        ? "call start() first"
+              : s.phase == Phase::kFinishing ? "finish() has begun"
+                                             : "the transport failed or was aborted");
+  }
+  Channel* channel = s.channel(peer);
+  SMP_CHECK(channel, s.where(), ": send() to peer ", peer, ", which is not one of its peers ",
+            internal::join(s.peers));
+  // Check everything before the first part leaves: a half-sent message would break the channel.
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    SMP_CHECK(t.defined(), s.where(), ": send() to peer ", peer, ": tensor ", i, " is undefined");
+    SMP_CHECK(t.layout() == at::kStrided, s.where(), ": send() to peer ", peer, ": tensor ", i,
+              " (shape ", t.sizes(), ", dtype ", t.scalar_type(), ") has layout ", t.layout(),
+              "; only dense tensors are supported, call .to_dense() first");
+    SMP_CHECK(t.device().is_cpu(), s.where(), ": send() to peer ", peer, ": tensor ", i, " (shape ",
+              t.sizes(), ", dtype ", t.scalar_type(), ") is on ", t.device(),
+              "; only CPU tensors are supported for now, call .cpu() first");
+    SMP_CHECK(!c10::isQIntType(t.scalar_type()), s.where(), ": send() to peer ", peer, ": tensor ",
+              i, " has quantized dtype ", t.scalar_type(), ", which is not supported");
+  }
+  const int64_t capacity = header_capacity(tensors);
+  SMP_CHECK(static_cast<int64_t>(header.size()) <= capacity, s.where(), ": send() to peer ", peer,
+            ": the message does not fit the ", kHeaderSlots, "-entry wire header: ", header.size(),
+            " header ints, room for ", std::max<int64_t>(capacity, 0), " with ", tensors.size(),
+            " tensors (", kHeaderSlots - internal::kFixedSlots - capacity,
+            " entries of tensor metadata); send fewer tensors or a shorter header");
+
+  // Encode (see Note [Wire header]); slot 2 (seq) is filled under the channel's send lock.
+  at::Tensor wire = internal::empty_wire();
+  int64_t* w = wire.data_ptr<int64_t>();
+  w[0] = internal::kMagic;
+  w[1] = internal::kData;
+  w[3] = static_cast<int64_t>(header.size());
+  w[4] = static_cast<int64_t>(tensors.size());
+  int64_t pos = internal::kFixedSlots;
+  std::vector<at::Tensor> payloads;
+  for (const at::Tensor& t : tensors) {
+    w[pos++] = static_cast<int64_t>(t.scalar_type());
+    w[pos++] = t.dim();
+    for (int64_t size : t.sizes()) w[pos++] = size;
+    if (t.numel() > 0) {
+      payloads.push_back(internal::as_bytes(t.detach().resolve_conj().resolve_neg().contiguous()));
+    }
+  }
+  std::copy(header.begin(), header.end(), w + pos);
+  internal::send_message(s, *channel, wire, std::move(payloads), "message");
+}
+
+std::optional<Message> Transport::recv(std::chrono::milliseconds timeout) {
+  TransportState& s = *state_;
+  SMP_CHECK(timeout.count() >= 0, s.where(), ": recv() timeout must be >= 0 ms, got ",
+            timeout.count());
+  std::unique_lock<std::mutex> lock(s.mutex);
+  SMP_CHECK(s.phase != Phase::kIdle, s.where(), ": recv() needs an open step: call start() first");
+  auto ready = [&] { return s.first_error || !s.inbox.empty() || internal::open_peers(s).empty(); };
+  if (!s.cv.wait_for(lock, internal::clamp_wait(timeout), ready)) {
+    const std::vector<int> open = internal::open_peers(s);
+    throw TransportError(
+        concat(s.where(), ": recv(): no message within ", timeout.count(),
+               " ms; channels still open (no END yet) from peers ", internal::join(open)),
+        open);
+  }
+  if (s.first_error) std::rethrow_exception(s.first_error);
+  if (s.inbox.empty()) return std::nullopt;  // every peer has sent END
+  Message message = std::move(s.inbox.front());
+  s.inbox.pop_front();
+  return message;
+}
+
+void Transport::finish() {
+  TransportState& s = *state_;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    SMP_CHECK(s.phase != Phase::kIdle, s.where(), ": finish() without start()");
+    SMP_CHECK(s.phase == Phase::kRunning, s.where(),
+              s.phase == Phase::kFinishing ? ": finish() called twice"
+                                           : ": finish() after a failure or abort()");
+    s.phase = Phase::kFinishing;
+  }
+  std::exception_ptr error;
+  // 1. END to every peer, in ascending rank order (one deterministic order on every rank).
+  std::vector<int> order = s.peers;
+  std::sort(order.begin(), order.end());
+  for (int peer : order) {
+    at::Tensor wire = internal::empty_wire();
+    int64_t* w = wire.data_ptr<int64_t>();
+    w[0] = internal::kMagic;
+    w[1] = internal::kEnd;
+    try {
+      internal::send_message(s, *s.channel(peer), wire, {}, "END");
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  // 2. Wait until every peer's END has arrived (its receiver then ends), within the timeout;
+  //    not worth it after a failed END (the transport is aborted below anyway).
+  {
+    std::unique_lock<std::mutex> lock(s.mutex);
+    const bool done = error || s.cv.wait_for(lock, internal::clamp_wait(s.timeout), [&] {
+      return internal::all_done(s) || s.first_error;
+    });
+    if (!error && s.first_error) error = s.first_error;
+    if (!error && !done) {
+      std::vector<int> missing;
+      for (const auto& [peer, c] : s.channels) {
+        if (!c->done) missing.push_back(peer);
+      }
+      error = std::make_exception_ptr(TransportError(
+          concat(s.where(), ": finish(): no END from peers ", internal::join(missing), " within ",
+                 s.timeout.count(), " ms; did they call finish()?"),
+          missing));
+    }
+    // 3. Every message of the step must have been delivered: leftovers are a protocol bug.
+    if (!error && !s.inbox.empty()) {
+      std::map<int, int> counts;
+      for (const Message& m : s.inbox) ++counts[m.peer];
+      std::ostringstream detail;
+      std::vector<int> peers;
+      for (const auto& [peer, count] : counts) {
+        detail << (peers.empty() ? "" : ", ") << count << " from peer " << peer;
+        peers.push_back(peer);
+      }
+      error = std::make_exception_ptr(
+          TransportError(concat(s.where(), ": finish(): ", s.inbox.size(),
+                                " received message(s) were never taken by recv() (", detail.str(),
+                                "); every message of a step must be received in that step"),
+                         peers));
+      s.inbox.clear();
+    }
+  }
+  if (error) {
+    internal::abort_state(s);
+    std::rethrow_exception(error);
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.threads_mutex);
+    for (const auto& [peer, c] : s.channels) {
+      if (c->receiver.joinable()) c->receiver.join();  // done: returns at once
+    }
+  }
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.phase = Phase::kIdle;
+}
+
+void Transport::abort() noexcept {
+  if (state_) internal::abort_state(*state_);
+}
+
+int Transport::rank() const { return state_->rank; }
+const std::vector<int>& Transport::peers() const { return state_->peers; }
+int Transport::tag() const { return state_->tag; }
+std::chrono::milliseconds Transport::timeout() const { return state_->timeout; }
+
+bool Transport::started() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->phase == Phase::kRunning || state_->phase == Phase::kFinishing;
+}
+
+}  // namespace smp::pytorch

@@ -1,0 +1,613 @@
+#include "smp/pytorch/transport.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "smp/error.h"
+#include "thread_world.h"
+
+// Ranks are threads meeting in ThreadWorld (thread_world.h), whose send/recv behave like gloo's
+// (FIFO per (src, dst, tag), rendezvous completion, Work::abort() wakes a wait). The real gloo
+// path is covered by tests/python/distributed/test_transport.py.
+
+namespace smp::pytorch {
+namespace {
+
+using std::chrono::milliseconds;
+using test_util::make_rank;
+using test_util::Rank;
+using test_util::run_ranks;
+using test_util::ThreadWorld;
+
+constexpr milliseconds kLong{10000};  // bounds waits that should succeed
+constexpr int kTag = 7;
+
+// A one-shot event between rank threads.
+class Event {
+ public:
+  void set() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      set_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    ASSERT_TRUE(cv_.wait_for(lock, std::chrono::seconds(30), [this] { return set_; }));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool set_ = false;
+};
+
+std::vector<int> others(int rank, int world_size) {
+  std::vector<int> peers;
+  for (int r = 0; r < world_size; ++r) {
+    if (r != rank) peers.push_back(r);
+  }
+  return peers;
+}
+
+// The i-th message's tensors from `src`: cycles through dtypes and shapes, including 0-dim,
+// zero-element, int64, bool and float64 tensors; values depend on (src, i) so mix-ups show.
+std::vector<at::Tensor> message_tensors(int src, int i) {
+  const double base = 1000.0 * src + i;
+  std::vector<at::Tensor> tensors;
+  switch (i % 5) {
+    case 0:
+      tensors.push_back(at::arange(6, at::kFloat).reshape({2, 3}) + base);
+      tensors.push_back(at::full({}, base, at::kDouble));  // 0-dim
+      break;
+    case 1:
+      tensors.push_back(at::arange(5, at::kLong) * (i + 1) + src);
+      tensors.push_back(at::arange(4, at::kLong).remainder(2).to(at::kBool));
+      tensors.push_back(at::zeros({0, 3}, at::kFloat));  // zero elements: no payload
+      break;
+    case 2:
+      break;  // header only
+    case 3:
+      tensors.push_back(at::arange(24, at::kDouble).reshape({2, 3, 4}) * base);
+      tensors.push_back(at::zeros({0}, at::kLong));
+      tensors.push_back(at::full({1}, i % 2 == 0, at::kBool));
+      break;
+    default:
+      // Non-contiguous input: it must arrive with the logical values.
+      tensors.push_back((at::arange(12, at::kFloat).reshape({3, 4}) + base).t());
+      tensors.push_back(at::full({}, i, at::kLong));
+  }
+  return tensors;
+}
+
+std::vector<int64_t> message_header(int src, int i) {
+  std::vector<int64_t> header{src, i};
+  for (int k = 0; k < i % 4; ++k) header.push_back(-k * 1000000007LL);
+  return header;
+}
+
+void expect_message(const Message& got, int src, int i) {
+  EXPECT_EQ(got.peer, src);
+  EXPECT_EQ(got.header, message_header(src, i)) << "message " << i << " from " << src;
+  const std::vector<at::Tensor> want = message_tensors(src, i);
+  ASSERT_EQ(got.tensors.size(), want.size()) << "message " << i << " from " << src;
+  for (size_t k = 0; k < want.size(); ++k) {
+    EXPECT_EQ(got.tensors[k].scalar_type(), want[k].scalar_type()) << "message " << i;
+    EXPECT_EQ(got.tensors[k].sizes(), want[k].sizes()) << "message " << i;
+    EXPECT_TRUE(got.tensors[k].is_contiguous());
+    EXPECT_TRUE(at::equal(got.tensors[k], want[k]))
+        << "message " << i << " from " << src << " tensor " << k << ":\n"
+        << got.tensors[k] << "\nexpected\n"
+        << want[k];
+  }
+}
+
+// Expects fn() to throw E whose message contains every one of `parts`; returns the error.
+template <typename E, typename Fn>
+std::optional<E> expect_throw(Fn fn, const std::vector<std::string>& parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an exception";
+  } catch (const E& e) {
+    for (const auto& part : parts) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
+          << "'" << part << "' not in: " << e.what();
+    }
+    return e;
+  }
+  return std::nullopt;
+}
+
+// Runs fn on a new thread; an exception fails the test instead of terminating the process.
+std::thread spawn(std::function<void()> fn) {
+  return std::thread([fn = std::move(fn)] {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "sender thread threw: " << e.what();
+    }
+  });
+}
+
+void expect_no_errors(const std::vector<std::exception_ptr>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank " << r << " threw: " << e.what();
+    }
+  }
+}
+
+// ---- messages ----------------------------------------------------------------------------
+
+// 200 messages of mixed dtypes and shapes each way between two ranks, sent and received at the
+// same time: every one arrives intact, in order.
+TEST(TransportTest, FifoOrderWithMixedTensorsBothWays) {
+  constexpr int kNum = 200;
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    std::thread sender = spawn([&] {
+      for (int i = 0; i < kNum; ++i) {
+        transport.send(1 - r, message_header(r, i), message_tensors(r, i));
+      }
+    });
+    for (int i = 0; i < kNum; ++i) {
+      std::optional<Message> got = transport.recv(kLong);
+      if (!got) {
+        ADD_FAILURE() << "recv() returned nullopt";
+        break;
+      }
+      expect_message(*got, 1 - r, i);
+    }
+    sender.join();
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
+// Three ranks, each sending to both others from two threads per peer at once while receiving:
+// messages of one sender thread arrive in its order, and no message is torn (parts of
+// concurrent sends to one peer never interleave).
+TEST(TransportTest, AllToAllThreeRanksConcurrently) {
+  constexpr int kWorld = 3;
+  constexpr int kThreadsPerPeer = 2;
+  constexpr int kPerThread = 40;
+  auto world = std::make_shared<ThreadWorld>(kWorld);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(kWorld, world, ranks, [&](int r, Rank& rank) {
+    const std::vector<int> peers = others(r, kWorld);
+    Transport transport(rank.group, peers, kLong, kTag);
+    transport.start();
+    std::vector<std::thread> senders;
+    for (int peer : peers) {
+      for (int t = 0; t < kThreadsPerPeer; ++t) {
+        senders.push_back(spawn([&, peer, t] {
+          for (int i = 0; i < kPerThread; ++i) {
+            const int index = t * kPerThread + i;  // thread t sends indices [t*k, (t+1)*k)
+            transport.send(peer, message_header(r, index), message_tensors(r, index));
+          }
+        }));
+      }
+    }
+    std::map<std::pair<int, int>, int> next;  // (peer, thread) -> next index expected
+    for (int n = 0; n < static_cast<int>(peers.size()) * kThreadsPerPeer * kPerThread; ++n) {
+      std::optional<Message> got = transport.recv(kLong);
+      if (!got || got->header.size() < 2) {
+        ADD_FAILURE() << "recv() returned nullopt or a short header";
+        break;
+      }
+      const int index = static_cast<int>(got->header[1]);
+      const int thread = index / kPerThread;
+      int& expected = next[{got->peer, thread}];
+      EXPECT_EQ(index, thread * kPerThread + expected) << "out of order from " << got->peer;
+      ++expected;
+      expect_message(*got, got->peer, index);
+    }
+    for (auto& s : senders) s.join();
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
+// One Transport over several steps (start/finish), with recv() returning nullopt once every peer
+// has finished, and message numbering restarting each step.
+TEST(TransportTest, ReuseOverSeveralSteps) {
+  constexpr int kWorld = 3;
+  auto world = std::make_shared<ThreadWorld>(kWorld);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(kWorld, world, ranks, [&](int r, Rank& rank) {
+    const std::vector<int> peers = others(r, kWorld);
+    Transport transport(rank.group, peers, kLong, kTag);
+    EXPECT_FALSE(transport.started());
+    for (int step = 0; step < 4; ++step) {
+      transport.start();
+      EXPECT_TRUE(transport.started());
+      const int num = step + 1;  // a different count each step
+      for (int peer : peers) {
+        for (int i = 0; i < num; ++i) {
+          transport.send(peer, {r, 100 * step + i}, {at::full({2}, step)});
+        }
+      }
+      std::map<int, int> next;
+      for (int n = 0; n < num * static_cast<int>(peers.size()); ++n) {
+        std::optional<Message> got = transport.recv(kLong);
+        ASSERT_TRUE(got.has_value());
+        EXPECT_EQ(got->header, (std::vector<int64_t>{got->peer, 100 * step + next[got->peer]++}));
+        EXPECT_TRUE(at::equal(got->tensors.at(0), at::full({2}, step)));
+      }
+      transport.finish();
+      EXPECT_FALSE(transport.started());
+    }
+  });
+  expect_no_errors(errors);
+}
+
+TEST(TransportTest, RecvReturnsNulloptOnceEveryPeerFinished) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    if (r == 1) {
+      transport.send(0, {42}, {});
+      transport.finish();  // returns once rank 0 has called finish() too
+      return;
+    }
+    std::optional<Message> got = transport.recv(kLong);
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->header, std::vector<int64_t>{42});
+    EXPECT_FALSE(transport.recv(kLong).has_value());  // rank 1's END: nothing more can come
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
+// The sender may reuse its tensors as soon as send() returns (every part was taken), and
+// requires_grad tensors are sent as plain data.
+TEST(TransportTest, SendReturnsAfterThePeerTookEveryPart) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    if (r == 0) {
+      at::Tensor t = at::arange(4, at::kFloat);
+      at::Tensor w = at::ones({3}, at::kDouble).requires_grad_();
+      transport.send(1, {}, {t, w});
+      t.fill_(-1);  // ThreadWorld copies at matching time: too early a return would show here
+    } else {
+      std::optional<Message> got = transport.recv(kLong);
+      ASSERT_TRUE(got.has_value());
+      EXPECT_TRUE(at::equal(got->tensors[0], at::arange(4, at::kFloat)));
+      EXPECT_TRUE(at::equal(got->tensors[1], at::ones({3}, at::kDouble)));
+      EXPECT_FALSE(got->tensors[1].requires_grad());
+    }
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
+TEST(TransportTest, NoPeersIsATrivialTransport) {
+  auto world = std::make_shared<ThreadWorld>(1);
+  Rank rank = make_rank(world, 0, 1);
+  Transport transport(rank.group, {}, kLong, kTag);
+  transport.start();
+  EXPECT_FALSE(transport.recv(milliseconds(0)).has_value());
+  transport.finish();
+  EXPECT_EQ(rank.backend->num_send_.load(), 0);
+}
+
+// ---- user mistakes -----------------------------------------------------------------------
+
+TEST(TransportTest, HeaderCapacity) {
+  EXPECT_EQ(Transport::header_capacity({}), Transport::kHeaderSlots - 5);
+  // 5 fixed + (2 + 0) + (2 + 3) entries
+  EXPECT_EQ(Transport::header_capacity({at::zeros({}), at::zeros({1, 2, 3})}),
+            Transport::kHeaderSlots - 12);
+}
+
+// A header that exactly fills the wire header arrives; one more int is refused before anything
+// is sent.
+TEST(TransportTest, HeaderTooLongIsRefusedBeforeSending) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    const std::vector<at::Tensor> tensors = {at::ones({2, 2}), at::zeros({})};
+    const int64_t capacity = Transport::header_capacity(tensors);
+    if (r == 0) {
+      std::vector<int64_t> full(capacity);
+      for (int64_t i = 0; i < capacity; ++i) full[i] = i * i;
+      const int64_t sends_before = rank.backend->num_send_.load();
+      std::vector<int64_t> too_long(capacity + 1, 1);
+      expect_throw<smp::Error>([&] { transport.send(1, too_long, tensors); },
+                               {"peer 1", "does not fit", "512-entry", std::to_string(capacity + 1),
+                                "room for " + std::to_string(capacity)});
+      EXPECT_EQ(rank.backend->num_send_.load(), sends_before) << "something was sent";
+      transport.send(1, full, tensors);
+    } else {
+      std::optional<Message> got = transport.recv(kLong);
+      ASSERT_TRUE(got.has_value());
+      ASSERT_EQ(static_cast<int64_t>(got->header.size()), capacity);
+      EXPECT_EQ(got->header.back(), (capacity - 1) * (capacity - 1));
+    }
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
+TEST(TransportTest, UserMistakesThrowSmpError) {
+  auto world = std::make_shared<ThreadWorld>(3);
+  Rank rank = make_rank(world, 0, 3);
+  const auto g = rank.group;
+  auto make = [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<int> peers,
+                 milliseconds timeout, int tag) {
+    Transport transport(std::move(group), std::move(peers), timeout, tag);
+  };
+  expect_throw<smp::Error>([&] { make({}, {1}, kLong, kTag); }, {"group"});
+  expect_throw<smp::Error>([&] { make(g, {0}, kLong, kTag); }, {"peer 0", "this rank"});
+  expect_throw<smp::Error>([&] { make(g, {3}, kLong, kTag); }, {"peer 3", "size 3"});
+  expect_throw<smp::Error>([&] { make(g, {-1}, kLong, kTag); }, {"peer -1"});
+  expect_throw<smp::Error>(
+      [&] {
+        make(g, {1, 2, 1}, kLong, kTag);
+      },
+      {"peer 1", "twice", "[1, 2, 1]"});
+  expect_throw<smp::Error>([&] { make(g, {1}, milliseconds(0), kTag); }, {"timeout", "got 0"});
+  expect_throw<smp::Error>([&] { make(g, {1}, kLong, -3); }, {"tag", "got -3"});
+
+  Transport transport(g, {1, 2}, kLong, kTag);
+  EXPECT_EQ(transport.rank(), 0);
+  EXPECT_EQ(transport.peers(), (std::vector<int>{1, 2}));
+  EXPECT_EQ(transport.tag(), kTag);
+  EXPECT_EQ(transport.timeout(), kLong);
+  expect_throw<smp::Error>([&] { transport.send(1, {}, {}); }, {"start()"});
+  expect_throw<smp::Error>([&] { transport.recv(kLong); }, {"start()"});
+  expect_throw<smp::Error>([&] { transport.finish(); }, {"without start()"});
+  transport.start();
+  expect_throw<smp::Error>([&] { transport.start(); }, {"twice"});
+  expect_throw<smp::Error>([&] { transport.send(3, {}, {}); }, {"peer 3", "[1, 2]"});
+  expect_throw<smp::Error>(
+      [&] {
+        transport.send(1, {}, {at::ones({1}), at::Tensor()});
+      },
+      {"peer 1", "tensor 1", "undefined"});
+  expect_throw<smp::Error>(
+      [&] {
+        transport.send(2, {}, {at::ones({2, 3}).to_sparse()});
+      },
+      {"peer 2", "tensor 0", "[2, 3]", "Sparse"});
+  expect_throw<smp::Error>(
+      [&] { transport.send(1, {}, {at::empty({4}, at::TensorOptions().device(at::kMeta))}); },
+      {"tensor 0", "meta", "CPU"});
+  expect_throw<smp::Error>([&] { transport.recv(milliseconds(-1)); }, {"timeout", "got -1"});
+  EXPECT_EQ(rank.backend->num_send_.load(), 0);
+  // Destroyed while started, peers absent: the destructor aborts the receivers and returns.
+}
+
+// ---- timeouts and failures -----------------------------------------------------------------
+
+// recv() names the peers whose channels are still open, and the timeout; a peer that has
+// finished (sent END) drops out of the list.
+TEST(TransportTest, RecvTimeoutNamesOpenPeers) {
+  auto world = std::make_shared<ThreadWorld>(3);
+  std::vector<Rank> ranks;
+  Event timed_out;
+  const auto errors = run_ranks(3, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, others(r, 3), kLong, kTag);
+    transport.start();
+    if (r == 0) {
+      const auto started = std::chrono::steady_clock::now();
+      auto error = expect_throw<TransportError>([&] { transport.recv(milliseconds(200)); },
+                                                {"rank 0", "tag 7", "200 ms", "peers [1, 2]"});
+      EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
+      if (error) {
+        EXPECT_EQ(error->peers(), (std::vector<int>{1, 2}));
+      }
+      timed_out.set();
+      // Rank 2 finishes now; once its END is here only peer 1 stays open.
+      std::optional<TransportError> last;
+      for (int attempt = 0; attempt < 100; ++attempt) {
+        try {
+          transport.recv(milliseconds(50));
+        } catch (const TransportError& e) {
+          last = e;
+          if (e.peers() == std::vector<int>{1}) break;
+        }
+      }
+      ASSERT_TRUE(last.has_value());
+      EXPECT_EQ(last->peers(), std::vector<int>{1});
+      EXPECT_NE(std::string(last->what()).find("peers [1]"), std::string::npos) << last->what();
+    } else {
+      timed_out.wait();
+      if (r == 1) std::this_thread::sleep_for(milliseconds(500));  // rank 2 finishes first
+    }
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
+// A rank whose sends fail: its send() names the destination peer and breaks that channel; the
+// receiver's recv() times out naming the silent peer; nothing hangs on destruction.
+TEST(TransportTest, FailedSendNamesThePeer) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  world->fail_sends_from(1);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    const auto started = std::chrono::steady_clock::now();
+    {
+      Transport transport(rank.group, {1 - r}, milliseconds(300), kTag);
+      transport.start();
+      if (r == 1) {
+        auto error = expect_throw<TransportError>(
+            [&] { transport.send(0, {1}, {at::ones({3})}); },
+            {"rank 1", "sending message #0 to peer 0 failed", "injected send failure"});
+        if (error) {
+          EXPECT_EQ(error->peers(), std::vector<int>{0});
+        }
+        expect_throw<TransportError>([&] { transport.send(0, {2}, {}); },
+                                     {"peer 0", "earlier send", "broken"});
+      } else {
+        expect_throw<TransportError>([&] { transport.recv(milliseconds(300)); },
+                                     {"rank 0", "300 ms", "peers [1]"});
+      }
+      // Destroyed without finish(): aborts.
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
+  });
+  expect_no_errors(errors);
+}
+
+// A peer that dies: messages that arrived before are delivered, then recv() raises naming it,
+// and finish() fails naming it too.
+TEST(TransportTest, PeerDeathIsRaisedWithThePeerNamed) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  Event received;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, milliseconds(2000), kTag);
+    transport.start();
+    if (r == 1) {
+      transport.send(0, {1}, {at::ones({2})});
+      received.wait();
+      world->kill(1);
+      return;  // the destructor aborts
+    }
+    std::optional<Message> got = transport.recv(kLong);
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->header, std::vector<int64_t>{1});
+    received.set();
+    auto error = expect_throw<TransportError>(
+        [&] { transport.recv(kLong); },
+        {"rank 0", "receiving the header of message #1 from peer 1 failed", "died"});
+    if (error) {
+      EXPECT_EQ(error->peers(), std::vector<int>{1});
+    }
+    // Sticky.
+    expect_throw<TransportError>([&] { transport.recv(kLong); }, {"peer 1", "died"});
+    expect_throw<TransportError>([&] { transport.finish(); }, {"peer 1"});
+    EXPECT_FALSE(transport.started());
+    expect_throw<smp::Error>([&] { transport.start(); }, {"after a failure"});
+  });
+  expect_no_errors(errors);
+}
+
+// A peer that never calls finish(): finish() fails within the timeout, naming it.
+TEST(TransportTest, FinishTimeoutNamesThePeer) {
+  auto world = std::make_shared<ThreadWorld>(3);
+  std::vector<Rank> ranks;
+  Event done[2];
+  const auto errors = run_ranks(3, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, others(r, 3), milliseconds(300), kTag);
+    transport.start();
+    if (r == 2) {
+      done[0].wait();  // never finishes; destroyed (aborted) once the others are through
+      done[1].wait();
+      return;
+    }
+    const auto started = std::chrono::steady_clock::now();
+    auto error = expect_throw<TransportError>(
+        [&] { transport.finish(); },
+        {"rank " + std::to_string(r), "no END from peers [2]", "300 ms", "finish()"});
+    if (error) {
+      EXPECT_EQ(error->peers(), std::vector<int>{2});
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
+    expect_throw<TransportError>([&] { transport.recv(kLong); }, {"aborted"});
+    done[r].set();
+  });
+  expect_no_errors(errors);
+}
+
+// Messages nobody took by recv() make finish() fail: every message of a step must be received.
+TEST(TransportTest, UndeliveredMessagesFailFinish) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    if (r == 1) {
+      transport.send(0, {1}, {});
+      transport.send(0, {2}, {at::ones({1})});
+      transport.finish();
+    } else {
+      expect_throw<TransportError>([&] { transport.finish(); },
+                                   {"2 received message(s)", "2 from peer 1", "never taken"});
+    }
+  });
+  expect_no_errors(errors);
+}
+
+// Something else sending on the transport's tag is caught by the wire header's checks.
+TEST(TransportTest, ForeignMessageIsACorruptHeader) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    if (r == 1) {
+      std::vector<at::Tensor> junk{at::full({Transport::kHeaderSlots}, 3, at::kLong)};
+      rank.group->send(junk, 0, kTag)->wait();
+      return;
+    }
+    Transport transport(rank.group, {1}, kLong, kTag);
+    transport.start();
+    auto error = expect_throw<TransportError>(
+        [&] { transport.recv(kLong); },
+        {"corrupt message #0 from peer 1", "bad magic number 3", "tag 7"});
+    if (error) {
+      EXPECT_EQ(error->peers(), std::vector<int>{1});
+    }
+  });
+  expect_no_errors(errors);
+}
+
+// Destroying a started Transport (no finish(), peers silent) wakes its receivers via
+// Work::abort() and returns promptly; abort() is idempotent and fails pending recv() calls.
+TEST(TransportTest, AbortAndDestructionDoNotHang) {
+  auto world = std::make_shared<ThreadWorld>(3);
+  Rank rank = make_rank(world, 0, 3);
+  const auto started = std::chrono::steady_clock::now();
+  {
+    Transport transport(rank.group, {1, 2}, milliseconds(20000), kTag);
+    transport.start();
+  }
+  {
+    Transport transport(rank.group, {1, 2}, milliseconds(20000), kTag + 1);
+    transport.start();
+    std::thread waiter([&] {
+      expect_throw<TransportError>([&] { transport.recv(milliseconds(20000)); }, {"aborted"});
+    });
+    std::this_thread::sleep_for(milliseconds(50));
+    transport.abort();
+    transport.abort();
+    waiter.join();
+    EXPECT_FALSE(transport.started());
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
+  // At most one header receive per peer and Transport (the first may abort before posting).
+  EXPECT_LE(rank.backend->num_recv_.load(), 4);
+  EXPECT_GE(rank.backend->num_recv_.load(), 2);
+}
+
+}  // namespace
+}  // namespace smp::pytorch
