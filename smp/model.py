@@ -119,6 +119,7 @@ class DistributedModel(nn.Module):
         self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.overlapping_allreduce = overlapping_allreduce
         self._partition_plan = None
+        self._runtime = None  # the pipeline runtime, once partitioned with pp > 1
         self._post_partition_hooks: list[Callable[[DistributedModel, Any], None]] = []
 
         # Unique trainable parameters in a fixed order (shared parameters once): the order of the
@@ -154,37 +155,78 @@ class DistributedModel(nn.Module):
             raise RuntimeError(
                 "model.backward(loss) must be called inside a function decorated with @smp.step"
             )
-        torch.autograd.backward(tensors, grad_tensors)
+        if self._runtime is not None:
+            self._runtime.backward(tensors, grad_tensors)
+        else:
+            torch.autograd.backward(tensors, grad_tensors)
         self._step_backward_count += 1
 
     # ---- what this rank holds ---------------------------------------------------------------
 
+    def _owns(self, name: str) -> bool:
+        """Whether the parameter/buffer/module at ``name`` (original keys) lives on this rank."""
+        if self._runtime is None:
+            return True
+        module_path = name if name in self._runtime.modules else name.rpartition(".")[0]
+        return self._runtime.assignment[module_path] == self._runtime.stage
+
     def local_parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.module.parameters(recurse)
+        """The parameters this rank holds (its pipeline stage's)."""
+        return (p for _, p in self.local_named_parameters(recurse=recurse))
 
     def local_named_parameters(self, prefix: str = "", recurse: bool = True):
-        return self.module.named_parameters(prefix, recurse)
+        for name, p in self.module.named_parameters(recurse=recurse):
+            if self._owns(name):
+                yield (f"{prefix}.{name}" if prefix else name), p
 
     def local_buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        return self.module.buffers(recurse)
+        return (b for _, b in self.local_named_buffers(recurse=recurse))
 
     def local_named_buffers(self, prefix: str = "", recurse: bool = True):
-        return self.module.named_buffers(prefix, recurse)
+        for name, b in self.module.named_buffers(recurse=recurse):
+            if self._owns(name):
+                yield (f"{prefix}.{name}" if prefix else name), b
 
     def local_modules(self) -> Iterator[nn.Module]:
-        return self.module.modules()
-
-    def state_dict(self, *args, **kwargs) -> dict[str, Any]:
-        """The full model's state dict with the original module's keys."""
-        return self.module.state_dict(*args, **kwargs)
+        return (m for name, m in self.module.named_modules() if self._owns(name))
 
     def local_state_dict(self, *args, **kwargs) -> dict[str, Any]:
-        """This rank's part of the state dict (the whole model while pp = tp = 1)."""
-        return self.module.state_dict(*args, **kwargs)
+        """This rank's part of the state dict, with the original keys."""
+        full = self.module.state_dict(*args, **kwargs)
+        return {k: v for k, v in full.items() if self._owns(k)}
+
+    def state_dict(self, *args, **kwargs) -> dict[str, Any]:
+        """The full model's state dict with the original keys and shapes.
+
+        With pipeline parallelism this is a collective over the pipeline group: every rank must
+        call it; each stage contributes its part.
+        """
+        if self._runtime is None:
+            return self.module.state_dict(*args, **kwargs)
+        state = get_state()
+        local = {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
+        parts: list[Any] = [None] * state.axis_size("pp")
+        dist.all_gather_object(parts, local, group=state.groups["pp"])
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        order = list(self.module.state_dict().keys())
+        return {k: merged[k] for k in order if k in merged}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads a state dict with the original module's keys."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Loads a full state dict (original keys); each rank takes the part it holds."""
+        if self._runtime is None:
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        mine = {k: v for k, v in state_dict.items() if self._owns(k)}
+        expected = set(self.local_state_dict())
+        if strict:
+            missing = sorted(expected - set(mine))
+            unknown = sorted(k for k in state_dict if k not in self.module.state_dict())
+            if missing or unknown:
+                raise ValueError(
+                    f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unknown[:5]}"
+                )
+        return self.module.load_state_dict(mine, strict=False, assign=assign)
 
     @property
     def partition_plan(self):
@@ -257,10 +299,22 @@ class DistributedModel(nn.Module):
             raise StepFailedError(f"smp: partitioning the model failed on rank 0: {value}")
         self._partition_plan = value
         self.partitioned = True
+        from smp.pipeline.runtime import PipelineRuntime
+
+        self._runtime = PipelineRuntime(state, self.module, value.assignment)
+        self._release_remote_tensors()
         if state.rank == 0:
             logger.info("%s", value.report())
         for hook in self._post_partition_hooks:
             hook(self, None)
+
+    def _release_remote_tensors(self) -> None:
+        """Frees the storage of parameters and buffers owned by other stages: each rank keeps
+        only its modules' tensors (``state_dict()`` gathers them from their owners)."""
+        with torch.no_grad():
+            for name, tensor in (*self.module.named_parameters(), *self.module.named_buffers()):
+                if not self._owns(name):
+                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
     def _run_traced(self, run_first_microbatch: Callable[[], Any]) -> None:
         self._tracing = True

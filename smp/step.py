@@ -228,12 +228,9 @@ class _StepFunction:
         for model in models:
             if not model.partitioned:
                 model._partition(lambda: self._run_microbatch(state, 0, first_args, first_kwargs))
-        if state.config.pipeline_parallel_degree > 1:
-            raise NotImplementedError(
-                "smp.step: the model is partitioned (see model.partition_report()), but running "
-                "pipeline_parallel_degree > 1 needs the pipeline runtime, which this version of "
-                "smp does not have yet"
-            )
+        runtimes = [m._runtime for m in models if m._runtime is not None]
+        if len(runtimes) > 1:
+            raise NotImplementedError("smp.step: one pipelined DistributedModel per step function")
 
         for model in models:
             model._begin_step()
@@ -242,9 +239,14 @@ class _StepFunction:
         original: BaseException | None = None
         state.in_step = True
         try:
-            for mb, (mb_args, mb_kwargs) in enumerate(calls):
-                state.microbatch = mb
-                results.append(self.func(*mb_args, **mb_kwargs))
+            if runtimes:
+                results, backward_calls = runtimes[0].run_step(self.func, calls)
+                for model in models:
+                    model._step_backward_count = backward_calls
+            else:
+                for mb, (mb_args, mb_kwargs) in enumerate(calls):
+                    state.microbatch = mb
+                    results.append(self.func(*mb_args, **mb_kwargs))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
             original = exc
             error = _MicrobatchError(
@@ -266,6 +268,8 @@ class _StepFunction:
             raise
         for model in models:
             model._finish_step()
+        if runtimes:
+            results = _from_pipeline_leader(state, results, self.detach_outputs)
         return _to_step_output(results, self.detach_outputs)
 
 
@@ -343,12 +347,32 @@ def _agree_on_outcome(
             f"{counts.tolist()}); every rank must run the same step function on its batch"
         )
     offset = 2 + len(backward_counts)
-    any_grad = table[:, offset:].amax(dim=0).tolist()
+    # A parameter is reduced over the ranks holding its stage: the union is over the dp group.
+    any_grad = table[state.group_ranks["dp"], offset:].amax(dim=0).tolist()
     start = 0
     for model in models:
         n = model._num_grad_params()
         model._set_grad_union(any_grad[start : start + n])
         start += n
+
+
+def _from_pipeline_leader(state: State, results: list[Any], detach: bool) -> list[Any]:
+    """The leader's per-microbatch results, on every rank of its pipeline group."""
+    if detach:
+        results = [_detached(r) for r in results]
+    box = [results if state.axis_rank("pp") == 0 else None]
+    dist.broadcast_object_list(box, src=state.group_ranks["pp"][0], group=state.groups["pp"])
+    return box[0]
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
 
 
 def _to_step_output(results: list[Any], detach: bool) -> Any:

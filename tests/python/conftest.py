@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# Tests build Hugging Face models from tiny configs; nothing may be fetched from a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The demo's GPT doubles as the tests' small GPT.
 sys.path.insert(0, str(REPO / "examples" / "gpt"))
 

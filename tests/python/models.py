@@ -19,6 +19,28 @@ class MLP(nn.Module):
         return self.head(torch.tanh(self.fc2(torch.relu(self.fc1(x)))))
 
 
+class Bert(nn.Module):
+    """BERT-shaped encoder: embeddings, layers taking an attention (padding) mask, a pooler and a
+    classifier."""
+
+    def __init__(self, vocab: int = 50, d: int = 32, layers: int = 4, classes: int = 3):
+        super().__init__()
+        self.word = nn.Embedding(vocab, d)
+        self.position = nn.Embedding(16, d)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
+        self.pooler = nn.Linear(d, d)
+        self.classifier = nn.Linear(d, classes)
+
+    def forward(self, ids, mask):
+        x = self.word(ids) + self.position(torch.arange(ids.shape[1]))
+        for layer in self.layers:
+            x = layer(x, src_key_padding_mask=~mask)
+        return self.classifier(torch.tanh(self.pooler(x[:, 0])))
+
+
 def tiny_gpt_config() -> GPTConfig:
     return GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 
@@ -28,6 +50,8 @@ def build_model(name: str) -> nn.Module:
         return MLP()
     if name == "gpt":
         return GPT(tiny_gpt_config())
+    if name == "bert":
+        return Bert()
     raise ValueError(name)
 
 
@@ -38,12 +62,17 @@ def make_batch(name: str, batch_size: int, step: int, seed: int = 1234):
         return torch.randn(batch_size, 12, generator=g), torch.randint(
             0, 5, (batch_size,), generator=g
         )
+    if name == "bert":
+        ids = torch.randint(0, 50, (batch_size, 16), generator=g)
+        lengths = torch.randint(4, 17, (batch_size,), generator=g)
+        mask = torch.arange(16)[None, :] < lengths[:, None]
+        return (ids, mask), torch.randint(0, 3, (batch_size,), generator=g)
     cfg = tiny_gpt_config()
     tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def loss_fn(name: str, output, target):
-    if name == "mlp":
+    if name in ("mlp", "bert"):
         return F.cross_entropy(output, target)
     return lm_loss(output, target)

@@ -19,7 +19,6 @@ def _first_step_worker(name: str, pin_head: bool):
     hooks = []
     model.register_post_partition_hook(lambda m, opt: hooks.append(m.partitioned))
     assert not model.partitioned
-    rng_before = torch.get_rng_state()
 
     @smp.step
     def train_step(model, x, y):
@@ -28,22 +27,17 @@ def _first_step_worker(name: str, pin_head: bool):
         return loss
 
     x, y = make_batch(name, 4, 0)
-    try:
-        train_step(model, x, y)
-    except NotImplementedError as e:
-        message = str(e)
-    assert torch.equal(rng_before, torch.get_rng_state())  # tracing is invisible
-    assert all(p.grad is None for p in model.parameters())  # gradients were off
-    return model.partition_plan.assignment, message, hooks, model.partition_report()
+    loss = train_step(model, x, y).reduce_mean().item()
+    return model.partition_plan.assignment, loss, hooks, model.partition_report()
 
 
 def test_every_rank_gets_rank_zeros_plan(pools):
     results = pools.run(2, _first_step_worker, "gpt", False)
-    assignment, message, hooks, report = results[0]
-    assert results[1][0] == assignment
+    assignment, loss, hooks, report = results[0]
+    assert results[1][0] == assignment and results[1][1] == loss  # StepOutput on every rank
     assert set(assignment.values()) == {0, 1}
     assert assignment["wte"] == assignment["lm_head"]
-    assert "pipeline runtime" in message and hooks == [True]
+    assert hooks == [True]
     assert "2 stages" in report
 
 

@@ -18,15 +18,39 @@ Config = config_mod.Config
 build_config = config_mod.build_config
 
 ALL_KEYS = {
-    "pipeline_parallel_degree", "tensor_parallel_degree", "microbatches", "pipeline",
-    "active_microbatches", "optimize", "memory_weight", "auto_partition", "default_partition",
-    "placement_strategy", "ddp", "prescaled_batch", "shard_optimizer_state",
-    "offload_activations", "activation_loading_horizon", "fp16", "bf16", "tensor_parallel_seed",
-    "delayed_parameter_initialization", "skip_tracing", "backend", "timeout_s",
+    "pipeline_parallel_degree",
+    "tensor_parallel_degree",
+    "microbatches",
+    "pipeline",
+    "active_microbatches",
+    "optimize",
+    "memory_weight",
+    "auto_partition",
+    "default_partition",
+    "placement_strategy",
+    "ddp",
+    "prescaled_batch",
+    "shard_optimizer_state",
+    "offload_activations",
+    "activation_loading_horizon",
+    "fp16",
+    "bf16",
+    "tensor_parallel_seed",
+    "delayed_parameter_initialization",
+    "skip_tracing",
+    "backend",
+    "timeout_s",
 }
 BOOL_KEYS = [
-    "auto_partition", "ddp", "prescaled_batch", "shard_optimizer_state", "offload_activations",
-    "fp16", "bf16", "delayed_parameter_initialization", "skip_tracing",
+    "auto_partition",
+    "ddp",
+    "prescaled_batch",
+    "shard_optimizer_state",
+    "offload_activations",
+    "fp16",
+    "bf16",
+    "delayed_parameter_initialization",
+    "skip_tracing",
 ]
 
 
@@ -42,19 +66,34 @@ def expect_error(user, *fragments, world_size=None):
 
 # --- defaults ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("user", [None, {}])
 def test_defaults(user):
     c = build_config(user)
     assert c == Config()
     assert c.to_dict() == {
-        "pipeline_parallel_degree": 1, "tensor_parallel_degree": 1, "microbatches": 1,
-        "pipeline": "interleaved", "active_microbatches": 1, "optimize": "speed",
-        "memory_weight": 0.2, "auto_partition": True, "default_partition": 0,
-        "placement_strategy": "cluster", "ddp": True, "prescaled_batch": False,
-        "shard_optimizer_state": False, "offload_activations": False,
-        "activation_loading_horizon": 4, "fp16": False, "bf16": False,
-        "tensor_parallel_seed": 0, "delayed_parameter_initialization": False,
-        "skip_tracing": False, "backend": "auto", "timeout_s": 300,
+        "pipeline_parallel_degree": 1,
+        "tensor_parallel_degree": 1,
+        "microbatches": 1,
+        "pipeline": "interleaved",
+        "active_microbatches": 1,
+        "optimize": "speed",
+        "memory_weight": 0.2,
+        "auto_partition": True,
+        "default_partition": 0,
+        "placement_strategy": "cluster",
+        "ddp": True,
+        "prescaled_batch": False,
+        "shard_optimizer_state": False,
+        "offload_activations": False,
+        "activation_loading_horizon": 4,
+        "fp16": False,
+        "bf16": False,
+        "tensor_parallel_seed": 0,
+        "delayed_parameter_initialization": False,
+        "skip_tracing": False,
+        "backend": "auto",
+        "timeout_s": 300,
     }
 
 
@@ -99,14 +138,24 @@ def test_memory_weight_explicit(weight):
 
 
 def test_values_kept():
-    user = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 4, "microbatches": 16,
-            "pipeline": "simple", "backend": "gloo", "timeout_s": 2.5, "bf16": True,
-            "auto_partition": False, "default_partition": 1, "tensor_parallel_seed": 7}
+    user = {
+        "pipeline_parallel_degree": 2,
+        "tensor_parallel_degree": 4,
+        "microbatches": 16,
+        "pipeline": "simple",
+        "backend": "gloo",
+        "timeout_s": 2.5,
+        "bf16": True,
+        "auto_partition": False,
+        "default_partition": 1,
+        "tensor_parallel_seed": 7,
+    }
     d = build_config(user).to_dict()
     assert {k: d[k] for k in user} == user
 
 
 # --- alias ------------------------------------------------------------------------------------
+
 
 def test_alias_partitions():
     assert build_config({"partitions": 4}).pipeline_parallel_degree == 4
@@ -116,10 +165,16 @@ def test_alias_partitions():
 
 
 def test_alias_conflict():
-    expect_error({"partitions": 2, "pipeline_parallel_degree": 4},
-                 "pipeline_parallel_degree=4", "partitions=2")
-    expect_error({"pipeline_parallel_degree": 4, "partitions": 2},
-                 "pipeline_parallel_degree=4", "partitions=2")
+    expect_error(
+        {"partitions": 2, "pipeline_parallel_degree": 4},
+        "pipeline_parallel_degree=4",
+        "partitions=2",
+    )
+    expect_error(
+        {"pipeline_parallel_degree": 4, "partitions": 2},
+        "pipeline_parallel_degree=4",
+        "partitions=2",
+    )
 
 
 def test_alias_validated():
@@ -128,13 +183,17 @@ def test_alias_validated():
 
 # --- unknown keys -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("typo", "suggestion"), [
-    ("microbatch", "microbatches"),
-    ("pipeline_parallel_degre", "pipeline_parallel_degree"),
-    ("tensor_paralel_degree", "tensor_parallel_degree"),
-    ("partition", "partitions"),
-    ("fp61", "fp16"),
-])
+
+@pytest.mark.parametrize(
+    ("typo", "suggestion"),
+    [
+        ("microbatch", "microbatches"),
+        ("pipeline_parallel_degre", "pipeline_parallel_degree"),
+        ("tensor_paralel_degree", "tensor_parallel_degree"),
+        ("partition", "partitions"),
+        ("fp61", "fp16"),
+    ],
+)
 def test_did_you_mean(typo, suggestion):
     expect_error({typo: 1}, repr(typo), "did you mean", f'"{suggestion}"')
 
@@ -150,6 +209,7 @@ def test_non_string_key():
 
 
 # --- container --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("user", [[("microbatches", 2)], "microbatches=2", 5])
 def test_non_dict_rejected(user):
@@ -173,23 +233,32 @@ def test_input_not_mutated_on_error():
 
 # --- types and ranges -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("key", BOOL_KEYS)
 @pytest.mark.parametrize("bad", [0, 1, "True", None])
 def test_bool_keys_need_bool(key, bad):
     expect_error({key: bad}, f'"{key}"', "bool", f"got {bad!r}")
 
 
-@pytest.mark.parametrize("key", ["pipeline_parallel_degree", "tensor_parallel_degree",
-                                 "microbatches", "active_microbatches",
-                                 "activation_loading_horizon"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "pipeline_parallel_degree",
+        "tensor_parallel_degree",
+        "microbatches",
+        "active_microbatches",
+        "activation_loading_horizon",
+    ],
+)
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2"])
 def test_positive_int_keys(key, bad):
     expect_error({key: bad}, f'"{key}"', "int", f"got {bad!r}")
 
 
 def test_microbatches_message_format():
-    assert expect_error({"microbatches": 0}) == \
-        'smp config: "microbatches" must be an int >= 1, got 0'
+    assert (
+        expect_error({"microbatches": 0}) == 'smp config: "microbatches" must be an int >= 1, got 0'
+    )
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "0"])
@@ -203,16 +272,21 @@ def test_tensor_parallel_seed_large():
 
 def test_default_partition_range():
     assert build_config({"partitions": 3, "default_partition": 2}).default_partition == 2
-    expect_error({"partitions": 3, "default_partition": 3}, '"default_partition"', "got 3",
-                 "[0, 3)")
+    expect_error(
+        {"partitions": 3, "default_partition": 3}, '"default_partition"', "got 3", "[0, 3)"
+    )
     expect_error({"default_partition": -1}, '"default_partition"', "got -1")
     expect_error({"default_partition": 1}, '"default_partition"', "got 1", "[0, 1)")
     expect_error({"default_partition": True}, '"default_partition"', "got True")
 
 
 def test_active_microbatches_above_microbatches():
-    expect_error({"microbatches": 4, "active_microbatches": 5},
-                 '"active_microbatches"', "got 5", "microbatches=4")
+    expect_error(
+        {"microbatches": 4, "active_microbatches": 5},
+        '"active_microbatches"',
+        "got 5",
+        "microbatches=4",
+    )
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5"])
@@ -230,11 +304,14 @@ def test_timeout_bad(bad):
     expect_error({"timeout_s": bad}, '"timeout_s"', "positive", f"got {bad!r}")
 
 
-@pytest.mark.parametrize(("key", "good", "bad"), [
-    ("pipeline", ["interleaved", "simple"], ["Simple", "1f1b", 1]),
-    ("optimize", ["speed", "memory"], ["fast", None]),
-    ("backend", ["auto", "gloo", "nccl"], ["mpi", "NCCL"]),
-])
+@pytest.mark.parametrize(
+    ("key", "good", "bad"),
+    [
+        ("pipeline", ["interleaved", "simple"], ["Simple", "1f1b", 1]),
+        ("optimize", ["speed", "memory"], ["fast", None]),
+        ("backend", ["auto", "gloo", "nccl"], ["mpi", "NCCL"]),
+    ],
+)
 def test_enums(key, good, bad):
     for value in good:
         assert getattr(build_config({key: value}), key) == value
@@ -244,6 +321,7 @@ def test_enums(key, good, bad):
 
 
 # --- placement --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("order", ["".join(p) for p in itertools.permutations("DPT")])
 def test_placement_permutations(order):
@@ -258,11 +336,11 @@ def test_placement_named():
 
 @pytest.mark.parametrize("bad", ["dpt", "DDP", "DP", "DPTT", "DPX", "", "Cluster", None, 3])
 def test_placement_bad(bad):
-    expect_error({"placement_strategy": bad}, '"placement_strategy"', "D, P, T",
-                 f"got {bad!r}")
+    expect_error({"placement_strategy": bad}, '"placement_strategy"', "D, P, T", f"got {bad!r}")
 
 
 # --- cross-key rules --------------------------------------------------------------------------
+
 
 def test_fp16_and_bf16():
     build_config({"fp16": True})
@@ -277,16 +355,27 @@ def test_auto_partition_false():
 
 # --- world size -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("pp", "tp", "world"), [(1, 1, 1), (1, 1, 7), (2, 2, 4), (2, 2, 8),
-                                                   (2, 3, 12)])
+
+@pytest.mark.parametrize(
+    ("pp", "tp", "world"), [(1, 1, 1), (1, 1, 7), (2, 2, 4), (2, 2, 8), (2, 3, 12)]
+)
 def test_world_size_ok(pp, tp, world):
     build_config({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp}, world)
 
 
 def test_world_size_not_divisible():
-    expect_error({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 3}, "world size 8",
-                 "pipeline_parallel_degree", "(2)", "tensor_parallel_degree", "(3)", "= 6",
-                 "multiple of 6", "change the degrees", world_size=8)
+    expect_error(
+        {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 3},
+        "world size 8",
+        "pipeline_parallel_degree",
+        "(2)",
+        "tensor_parallel_degree",
+        "(3)",
+        "= 6",
+        "multiple of 6",
+        "change the degrees",
+        world_size=8,
+    )
 
 
 def test_world_size_smaller_than_model():
@@ -295,8 +384,9 @@ def test_world_size_smaller_than_model():
 
 def test_ddp_false_needs_exact_world():
     build_config({"partitions": 2, "ddp": False}, world_size=2)
-    expect_error({"partitions": 2, "ddp": False}, '"ddp"', "world size 4", "got False",
-                 world_size=4)
+    expect_error(
+        {"partitions": 2, "ddp": False}, '"ddp"', "world size 4", "got False", world_size=4
+    )
 
 
 @pytest.mark.parametrize("bad", [0, -2, True, 2.0, "4"])
