@@ -7,6 +7,7 @@ other part of smp reaches it through :func:`get_state`, which fails with a clear
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -67,6 +68,8 @@ class State:
         self.device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.group_ranks: dict[str, list[int]] = {}
+        # Called by shutdown() before the groups go (e.g. pipeline transports).
+        self.closers: list = []
         # Step bookkeeping, set by smp.step while a step function runs.
         self.in_step = False
         self.microbatch: int | None = None
@@ -90,6 +93,7 @@ class State:
 
 
 _state: State | None = None
+_atexit_registered = False
 
 
 def is_initialized() -> bool:
@@ -144,7 +148,7 @@ def init(config: dict[str, Any] | None = None) -> None:
         ValueError: a bad key, value or degree — raised before any process group is created.
         RuntimeError: the launcher's environment is incomplete.
     """
-    global _state
+    global _state, _atexit_registered
     build_config(config)  # types and ranges first: nothing below runs on a bad config
 
     if dist.is_initialized():
@@ -195,6 +199,9 @@ def init(config: dict[str, Any] | None = None) -> None:
     state = State(cfg, topology, rank, local_rank, local_size, backend, owns_default_group)
     _build_groups(state, timeout)
     _state = state
+    if not _atexit_registered:
+        atexit.register(shutdown)  # orderly teardown if the script does not call it
+        _atexit_registered = True
     if rank == 0:
         logger.info(
             "smp initialised: world %d = pp %d x tp %d x rdp %d (%s), backend %s",
@@ -229,7 +236,13 @@ def shutdown() -> None:
     """Destroys smp's process groups (and the default group if smp created it). Idempotent."""
     global _state
     state, _state = _state, None
-    if state is None or not dist.is_initialized():
+    if state is None:
+        return
+    # Pipeline transports first: their receiver threads use the groups destroyed below.
+    for close in list(state.closers):
+        close()
+    state.closers.clear()
+    if not dist.is_initialized():
         return
     if state.owns_default_group:
         dist.destroy_process_group()

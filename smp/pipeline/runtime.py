@@ -166,6 +166,13 @@ class PipelineRuntime:
         self._call_ids = itertools.count()
         self.grad_enabled = True
         self._install_stubs()
+        state.closers.append(self.close)
+
+    def close(self) -> None:
+        """Releases the transport (its receiver threads end); called by smp.shutdown()."""
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            transport.abort()
 
     def _new_transport(self):
         peers = [s for s in range(self.num_stages) if s != self.stage]
