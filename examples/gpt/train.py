@@ -1,6 +1,7 @@
 """Train a small byte-level GPT with smp: the project's demo training job.
 
-Launch (two processes, data parallel, on CPU or GPU):
+Launch (two processes: the model split over 2 pipeline stages by smp's partitioner; with 4
+processes, 2 stages x 2 data-parallel replicas; --pp picks the number of stages):
 
     torchrun --nproc_per_node 2 examples/gpt/train.py
 
@@ -8,7 +9,7 @@ or single-process (smp.init runs world size 1 without the torchrun environment):
 
     python examples/gpt/train.py
 
-Rank 0 prints progress (a redrawn bar on a terminal, a line every --log-every steps otherwise),
+Rank 0 prints the partition report after the first step, progress (a redrawn bar on a terminal, a line every --log-every steps otherwise),
 the validation loss at the start and the end, and one summary line. The job exits non-zero if the
 training loss did not fall.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,10 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=HERE / "data" / "tiny.txt")
     p.add_argument("--log-every", type=int, default=10, help="steps between lines when not a TTY")
     p.add_argument(
-        "--preview-stages",
+        "--pp",
         type=int,
-        default=4,
-        help="print smp's partition of the model over this many pipeline stages (0: off)",
+        default=None,
+        help="pipeline_parallel_degree: stages the model is split over, the remaining processes "
+        "are data parallel (default: 2 when the number of processes is even, else 1)",
     )
     p.add_argument(
         "--eval-every",
@@ -118,7 +121,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     # smp configuration in one place: pipeline_parallel_degree / tensor_parallel_degree go here.
-    smp_config = {"microbatches": args.microbatches}
+    if args.pp is None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        args.pp = 2 if world % 2 == 0 else 1
+    smp_config = {"microbatches": args.microbatches, "pipeline_parallel_degree": args.pp}
     smp.init(smp_config)
     is_main = smp.rank() == 0
     if args.batch_size % args.microbatches != 0:
@@ -139,14 +145,6 @@ def main(argv=None) -> int:
     )
     net = GPT(cfg)
     n_params = net.num_parameters()
-    if smp.rank() == 0 and args.preview_stages > 1:
-        # What the automatic partitioner would do with this model over more pipeline stages.
-        example_BT = torch.zeros(
-            args.batch_size // args.microbatches, args.seq_len, dtype=torch.long
-        )
-        plan = smp.plan_partition(net, example_BT, args.preview_stages)
-        print(f"partition preview for pipeline_parallel_degree={args.preview_stages}:")
-        print(plan.report(), flush=True)
     model = smp.DistributedModel(net)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
 
@@ -194,6 +192,8 @@ def main(argv=None) -> int:
 
         if step == 1:
             first_loss = loss_val
+            if is_main and pp > 1:  # the model was partitioned by this first step
+                print(model.partition_report(), flush=True)
         if is_main:
             line = progress_line(step, args.steps, loss_val, step * tokens_per_step / train_time)
             if tty:  # pad so a shorter line fully covers the previous one
