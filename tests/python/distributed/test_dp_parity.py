@@ -9,20 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import build_model, loss_fn, make_batch
+from models import build_model, loss_fn, make_batch, parity_adamw
 
 LOCAL_BATCH = 8
 STEPS = 3
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _adamw(params):
-    # Adam's update lr * m / (sqrt(v) + eps) has sensitivity lr / eps to a gradient near zero, so
-    # summation-order noise in fp32 (~1e-9: microbatches and ranks add in a different order than
-    # one whole-batch backward) becomes lr / eps * 1e-9 in the parameters. With torch's defaults
-    # (eps 1e-8) and lr 1e-2 that is 1e-3; with eps 1e-6 and lr 1e-3 it is 1e-6, so the 1e-5
-    # tolerance checks smp rather than Adam's conditioning. The tolerance itself is not loosened.
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
 
 
 def _parity_worker(name: str, microbatches: int, seed: int = 7) -> dict:
@@ -36,8 +27,8 @@ def _parity_worker(name: str, microbatches: int, seed: int = 7) -> dict:
     model = smp.DistributedModel(build_model(name))
     for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"{n} not broadcast from dp rank 0")
-    optimizer = smp.DistributedOptimizer(_adamw(model.parameters()))
-    reference_optimizer = _adamw(reference.parameters())
+    optimizer = smp.DistributedOptimizer(parity_adamw(model.parameters()))
+    reference_optimizer = parity_adamw(reference.parameters())
 
     @smp.step
     def train_step(model, x, y):

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from models import assert_owned_grads_match, build_model
 from torch import nn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -99,16 +100,8 @@ def _dynamic_worker(pipeline: str, microbatches: int):
             mb_loss.backward()
             ref_loss += mb_loss.item()
         assert abs(loss.reduce_mean().item() - ref_loss) < 1e-5
-        plan = model.partition_plan
-        for (n, p), (_, q) in zip(model.module.named_parameters(), reference.named_parameters()):
-            if plan.assignment[n.rpartition(".")[0]] == smp.pp_rank():
-                if q.grad is None:
-                    assert p.grad is None, n
-                else:
-                    torch.testing.assert_close(
-                        p.grad, q.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}"
-                    )
-    return plan.assignment
+        assert_owned_grads_match(model, reference, smp.pp_rank(), TOL)
+    return model.partition_plan.assignment
 
 
 @pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
@@ -156,27 +149,34 @@ class Failing(nn.Module):
         return self.b(self.a(x))
 
 
-def _remote_failure_worker():
-    import smp
-
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
+def _two_stage_failing(smp, timeout_s: float, hook):
+    """smp on 2 stages with Failing's ``a`` on stage 0 and ``b`` (running ``hook`` before its
+    forward) on stage 1; returns (module, model, train_step)."""
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": timeout_s})
+    torch.manual_seed(0)
     module = Failing()
     smp.set_partition(module.a, 0)
     smp.set_partition(module.b, 1)
     model = smp.DistributedModel(module)
+    module.b.register_forward_pre_hook(hook)
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x).square().mean()
+        model.backward(loss)
+        return loss
+
+    return module, model, train_step
+
+
+def _remote_failure_worker():
+    import smp
 
     def explode(mod, args):
         if smp.microbatch() == 1:
             raise ValueError("bad activations in b")
 
-    module.b.register_forward_pre_hook(explode)
-
-    @smp.step
-    def train_step(model, x):
-        loss = model(x).sum()
-        model.backward(loss)
-        return loss
-
+    _, model, train_step = _two_stage_failing(smp, 60, explode)
     start = time.monotonic()
     try:
         train_step(model, torch.randn(4, 4))
@@ -197,26 +197,13 @@ def test_exception_on_stage_one_reaches_rank_zero(pools):
 def _killed_stage_worker():
     import smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 20})
-    module = Failing()
-    smp.set_partition(module.a, 0)
-    smp.set_partition(module.b, 1)
-    model = smp.DistributedModel(module)
-
     armed = [False]
 
     def die(mod, args):
         if armed[0]:
             os._exit(9)
 
-    module.b.register_forward_pre_hook(die)
-
-    @smp.step
-    def train_step(model, x):
-        loss = model(x).sum()
-        model.backward(loss)
-        return loss
-
+    _, model, train_step = _two_stage_failing(smp, 20, die)
     train_step(model, torch.randn(4, 4))  # partitions (tracing runs b on rank 0) and trains
     armed[0] = True
     start = time.monotonic()
@@ -238,28 +225,15 @@ def test_killed_stage_makes_the_leader_fail_within_the_timeout(pools):
 def _recovery_worker():
     import smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
-    torch.manual_seed(0)
-    reference = Failing()
-    torch.manual_seed(0)
-    module = Failing()
-    smp.set_partition(module.a, 0)
-    smp.set_partition(module.b, 1)
-    model = smp.DistributedModel(module)
     armed = [False]
 
     def explode(mod, args):
         if armed[0]:
             raise ValueError("transient")
 
-    module.b.register_forward_pre_hook(explode)
-
-    @smp.step
-    def train_step(model, x):
-        loss = model(x).square().mean()
-        model.backward(loss)
-        return loss
-
+    torch.manual_seed(0)
+    reference = Failing()
+    module, model, train_step = _two_stage_failing(smp, 60, explode)
     x = torch.randn(4, 4)
     train_step(model, x)  # partitions
     armed[0] = True
@@ -283,7 +257,6 @@ def test_a_failed_step_leaves_the_pipeline_usable(pools):
 
 def _varying_lengths_worker(pipeline: str):
     from model import lm_loss
-    from models import build_model
 
     import smp
 
@@ -310,10 +283,7 @@ def _varying_lengths_worker(pipeline: str):
         ref = sum(lm_loss(reference(s[:, :-1]), s[:, 1:]) for s in sequences) / 2
         ref.backward()
         assert abs(loss.item() - ref.item()) < 1e-5
-        plan = model.partition_plan
-        for (n, p), (_, q) in zip(model.module.named_parameters(), reference.named_parameters()):
-            if plan.assignment[n.rpartition(".")[0]] == smp.pp_rank():
-                torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+        assert_owned_grads_match(model, reference, smp.pp_rank(), TOL)
     return True
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import assert_owned_grads_match
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,13 +42,7 @@ def _hf_worker(pp: int, microbatches: int):
     )
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) < 1e-5
-    plan = model.partition_plan
-    checked = 0
-    for (n, p), (_, q) in zip(model.module.named_parameters(), reference.named_parameters()):
-        if plan.assignment[n.rpartition(".")[0]] == smp.pp_rank():
-            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
-            checked += 1
-    return checked
+    return assert_owned_grads_match(model, reference, smp.pp_rank(), TOL)
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import build_model, loss_fn, make_batch
+from models import build_model, loss_fn, make_batch, parity_adamw
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 STEPS = 3
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
 
 
 def _pipeline_worker(name: str, pp: int, microbatches: int, pipeline: str, batch: int = 8):
@@ -25,8 +21,8 @@ def _pipeline_worker(name: str, pp: int, microbatches: int, pipeline: str, batch
     reference = build_model(name)
     torch.manual_seed(0)
     model = smp.DistributedModel(build_model(name))
-    optimizer = smp.DistributedOptimizer(_adamw(model.parameters()))
-    reference_optimizer = _adamw(reference.parameters())
+    optimizer = smp.DistributedOptimizer(parity_adamw(model.parameters()))
+    reference_optimizer = parity_adamw(reference.parameters())
 
     def call(m, x):
         return m(*x) if isinstance(x, tuple) else m(x)
@@ -105,8 +101,10 @@ def test_more_stages_and_microbatches(pools, name, pp, microbatches, pipeline):
     assert all(r[0] == results[0][0] for r in results)
 
 
-@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
-def test_pipeline_with_data_parallelism(pools, pipeline):
-    # world 4 = pp 2 x dp 2; each stage's gradients are reduced over its dp group.
-    results = pools.run(4, _pipeline_worker, "gpt", 2, 4, pipeline)
+@pytest.mark.parametrize(
+    "world, pp, pipeline", [(4, 2, "simple"), (4, 2, "interleaved"), (8, 4, "interleaved")]
+)
+def test_pipeline_with_data_parallelism(pools, world, pp, pipeline):
+    # world = pp x dp 2; each stage's gradients are reduced over its dp group.
+    results = pools.run(world, _pipeline_worker, "gpt", pp, 4, pipeline)
     assert all(r[0] == results[0][0] for r in results)
