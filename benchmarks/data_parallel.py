@@ -10,21 +10,19 @@ first with smp (``microbatches=1``: smp's bucketed all-reduce after the step) an
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _launch import run_ranks  # noqa: E402
 
 
 def _model(seed: int):
@@ -51,13 +49,7 @@ def _timed(run_step, batches, warmup: int) -> float:
     return time.perf_counter() - start
 
 
-def _worker(rank: int, world: int, port: int, steps: int, batch: int, rounds: int, out) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+def _worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict | None:
     from model import lm_loss
 
     import smp
@@ -94,12 +86,8 @@ def _worker(rank: int, world: int, port: int, steps: int, batch: int, rounds: in
         smp_seconds = min(smp_seconds, _timed(smp_step, batches, warmup))
         ddp_seconds = min(ddp_seconds, _timed(ddp_step, batches, warmup))
     smp.shutdown()
-    if rank == 0:
-        samples = steps * batch * world
-        out.put(
-            {"smp_samples_per_s": samples / smp_seconds, "ddp_samples_per_s": samples / ddp_seconds}
-        )
-    dist.destroy_process_group()
+    samples = steps * batch * world
+    return {"smp_samples_per_s": samples / smp_seconds, "ddp_samples_per_s": samples / ddp_seconds}
 
 
 def main() -> None:
@@ -109,14 +97,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating timed rounds")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    mp.start_processes(_worker, args=(2, port, args.steps, args.batch, args.rounds, out), nprocs=2,
-                       start_method="spawn")  # fmt: skip
-    result = out.get(timeout=10)
+    result = run_ranks(_worker, 2, 2, args.steps, args.batch, args.rounds)
     result["ratio_smp_over_ddp"] = result["smp_samples_per_s"] / result["ddp_samples_per_s"]
     print(f"world 2 (gloo, CPU, 1 thread each), GPT 0.8M params, {args.batch} samples/rank/step")
     print(f"smp  {result['smp_samples_per_s']:8.1f} samples/s")

@@ -12,22 +12,20 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _launch import run_ranks  # noqa: E402
 
 BATCH, SEQ = 32, 64
 
@@ -78,13 +76,7 @@ class Caller(nn.Module):
         return x
 
 
-def _worker(rank: int, port: int, steps: int, warmup: int, out) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+def _worker(rank: int, steps: int, warmup: int) -> dict | None:
     from model import lm_loss
 
     import smp
@@ -132,10 +124,11 @@ def _worker(rank: int, port: int, steps: int, warmup: int, out) -> None:
             ping(pinged, x)
         round_trip = (time.perf_counter() - start) / (5 * calls)
     smp.shutdown()
-    if rank == 0:
-        out.put({"pp2_samples_per_s": samples_per_s, "round_trip_us": round_trip * 1e6,
-                 "partition": report})  # fmt: skip
-    dist.destroy_process_group()
+    return {
+        "pp2_samples_per_s": samples_per_s,
+        "round_trip_us": round_trip * 1e6,
+        "partition": report,
+    }
 
 
 def main() -> None:
@@ -144,14 +137,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    mp.start_processes(_worker, args=(port, args.steps, args.warmup, out), nprocs=2,
-                       start_method="spawn")  # fmt: skip
-    result = out.get(timeout=10)
+    result = run_ranks(_worker, 2, args.steps, args.warmup)
     result["single_samples_per_s"] = single_process(args.steps, args.warmup)
     result["ratio_pp2_over_single"] = result["pp2_samples_per_s"] / result["single_samples_per_s"]
     print(result.pop("partition"))

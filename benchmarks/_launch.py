@@ -1,0 +1,43 @@
+"""Shared by the benchmark scripts: run a function on N local gloo processes.
+
+``run_ranks(fn, world, *args)`` spawns ``world`` processes, each of which joins a gloo world on a
+free local port with one CPU thread and calls ``fn(rank, *args)``; whatever rank 0's call returns
+comes back to the caller.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    result = fn(rank, *args)
+    if rank == 0:
+        out.put(result)
+    dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any) -> Any:
+    """Runs ``fn(rank, *args)`` on ``world`` gloo processes; returns rank 0's result."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").Queue()
+    mp.start_processes(
+        _entry, args=(world, port, fn, args, out), nprocs=world, start_method="spawn"
+    )
+    return out.get(timeout=10)
