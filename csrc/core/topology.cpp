@@ -76,8 +76,8 @@ Topology::Topology(int world_size, int pipeline_parallel_degree, int tensor_para
   SMP_CHECK(pp_ >= 1, "pipeline_parallel_degree must be >= 1, got ", pp_);
   SMP_CHECK(tp_ >= 1, "tensor_parallel_degree must be >= 1, got ", tp_);
   SMP_CHECK(world_size_ % (pp_ * tp_) == 0, "world size ", world_size_,
-            " is not divisible by pipeline_parallel_degree * tensor_parallel_degree = ", pp_,
-            " * ", tp_, " = ", pp_ * tp_, "; launch a multiple of ", pp_ * tp_,
+            " is not divisible by pipeline_parallel_degree * tensor_parallel_degree = ", pp_, " * ",
+            tp_, " = ", pp_ * tp_, "; launch a multiple of ", pp_ * tp_,
             " processes or change the degrees");
   rdp_ = world_size_ / (pp_ * tp_);
 }

@@ -17,7 +17,9 @@ void init_topology_bindings(py::module_& m) {
 
   py::class_<Coordinates>(m, "Coordinates")
       .def(py::init<>())
-      .def(py::init([](int pp, int tp, int rdp) { return Coordinates{pp, tp, rdp}; }),
+      .def(py::init([](int pp, int tp, int rdp) {
+             return Coordinates{pp, tp, rdp};
+           }),
            py::arg("pp"), py::arg("tp"), py::arg("rdp"))
       .def_readwrite("pp", &Coordinates::pp)
       .def_readwrite("tp", &Coordinates::tp)

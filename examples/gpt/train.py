@@ -9,9 +9,9 @@ or single-process (smp.init runs world size 1 without the torchrun environment):
 
     python examples/gpt/train.py
 
-Rank 0 prints the partition report after the first step, progress (a redrawn bar on a terminal, a line every --log-every steps otherwise),
-the validation loss at the start and the end, and one summary line. The job exits non-zero if the
-training loss did not fall.
+Rank 0 prints the partition report after the first step, progress (a redrawn bar on a terminal,
+a line every --log-every steps otherwise), the validation loss at the start and the end, and one
+summary line. The job exits non-zero if the training loss did not fall.
 
 Shape suffix legend: B batch, T sequence length, V vocabulary (256 bytes), N bytes in a split.
 """

@@ -36,18 +36,18 @@ std::string concat(const Args&... args) {
 }  // namespace smp
 
 /// Throws smp::Error built from the streamed arguments unless `cond` holds.
-#define SMP_CHECK(cond, ...)                                   \
-  do {                                                         \
-    if (!(cond)) {                                             \
+#define SMP_CHECK(cond, ...)                                    \
+  do {                                                          \
+    if (!(cond)) {                                              \
       throw ::smp::Error(::smp::internal::concat(__VA_ARGS__)); \
-    }                                                          \
+    }                                                           \
   } while (false)
 
 /// Checks an invariant of smp itself (not of user input); failure means a bug in smp.
-#define SMP_INTERNAL_ASSERT(cond, ...)                                                 \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
-      ::smp::internal::throw_internal_error(__FILE__, __LINE__, #cond,                 \
+#define SMP_INTERNAL_ASSERT(cond, ...)                                                   \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      ::smp::internal::throw_internal_error(__FILE__, __LINE__, #cond,                   \
                                             ::smp::internal::concat("", ##__VA_ARGS__)); \
-    }                                                                                  \
+    }                                                                                    \
   } while (false)

@@ -4,7 +4,8 @@
 //   P: pipeline stage        (size pp = pipeline_parallel_degree)
 //   T: tensor-parallel slice (size tp = tensor_parallel_degree)
 //   D: reduced data parallel (size rdp = W / (pp * tp))
-// The placement is a permutation of the letters "D", "P", "T"; the right-most letter varies fastest:
+// The placement is a permutation of the letters "D", "P", "T"; the right-most letter varies
+// fastest:
 //   rank = (c[0] * n[1] + c[1]) * n[2] + c[2]
 // where c[i] is the rank's coordinate on the i-th letter's axis and n[i] that axis' size.
 // "cluster" means "DPT" (TP peers on neighbouring ranks), "spread" means "TPD".
@@ -44,7 +45,7 @@ const char* axis_name(Axis axis);
 
 /// All axes, in the order process groups are created.
 inline constexpr std::array<Axis, 5> kAllAxes = {Axis::kPp, Axis::kTp, Axis::kDp, Axis::kRdp,
-                                                Axis::kMp};
+                                                 Axis::kMp};
 
 /// A rank's position on the three mesh axes.
 struct Coordinates {

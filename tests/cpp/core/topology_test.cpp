@@ -77,9 +77,8 @@ TEST(TopologyTest, GroupsPartitionTheWorldForAllShapesAndPermutations) {
   for (const Shape& s : all_shapes()) {
     for (const std::string& placement : kPermutations) {
       const Topology topo(s.world, s.pp, s.tp, placement);
-      const std::string where = "world=" + std::to_string(s.world) + " pp=" +
-                                std::to_string(s.pp) + " tp=" + std::to_string(s.tp) + " " +
-                                placement;
+      const std::string where = "world=" + std::to_string(s.world) + " pp=" + std::to_string(s.pp) +
+                                " tp=" + std::to_string(s.tp) + " " + placement;
       ASSERT_EQ(topo.pp_size() * topo.dp_size(), s.world) << where;
       ASSERT_EQ(topo.pp_size() * topo.tp_size() * topo.rdp_size(), s.world) << where;
       ASSERT_EQ(topo.mp_size() * topo.rdp_size(), s.world) << where;
