@@ -14,6 +14,7 @@
 
 #include "python/bindings.h"
 #include "smp/error.h"
+#include "smp/pytorch/server.h"
 #include "smp/pytorch/transport.h"
 
 namespace py = pybind11;
@@ -22,6 +23,8 @@ namespace smp::python {
 namespace {
 
 using pytorch::Message;
+using pytorch::PipelineServer;
+using pytorch::RemoteStageError;
 using pytorch::Transport;
 using pytorch::TransportError;
 
@@ -155,6 +158,48 @@ Raises:
       .def_property_readonly("timeout_s",
                              [](const Transport& self) { return self.timeout().count() / 1000.0; })
       .def_property_readonly("started", &Transport::started);
+
+  py::register_exception<RemoteStageError>(m, "RemoteStageError", PyExc_RuntimeError);
+
+  py::class_<PipelineServer>(m, "PipelineServer",
+                             R"doc(The module server's loop for one step (smp/pytorch/server.h).
+
+Reads the started transport, turns messages into tasks of its ServerPolicy, and returns them with
+the message that made them runnable.
+)doc")
+      .def(py::init([](Transport* transport, const std::string& kind, int num_microbatches,
+                       int active_microbatches, bool is_leader) {
+             return new PipelineServer(transport, parse_pipeline_kind(kind), num_microbatches,
+                                       active_microbatches, is_leader);
+           }),
+           py::arg("transport"), py::arg("kind"), py::arg("num_microbatches"),
+           py::arg("active_microbatches"), py::arg("is_leader"), py::keep_alive<1, 2>())
+      .def("new_id", &PipelineServer::new_id)
+      .def("expect", &PipelineServer::expect, py::arg("call_id"), py::arg("kind"),
+           py::arg("microbatch"), py::arg("worker_id"))
+      .def(
+          "next",
+          [](PipelineServer& self, double timeout_s) -> py::object {
+            const auto timeout = to_millis(timeout_s, "timeout_s", false);
+            std::optional<pytorch::ServerTask> task;
+            {
+              py::gil_scoped_release no_gil;
+              task = self.next(timeout);
+            }
+            if (!task) return py::none();
+            py::object message = py::none();
+            if (task->message) {
+              message = py::make_tuple(task->message->peer, task->message->header,
+                                       task->message->tensors);
+            }
+            return py::make_tuple(task->task, message);
+          },
+          py::arg("timeout_s"),
+          "(task, (peer, header, tensors) or None), or None when the step is over on this rank.")
+      .def_property_readonly(
+          "policy", [](PipelineServer& self) -> ServerPolicy& { return self.policy(); },
+          py::return_value_policy::reference_internal)
+      .def_property_readonly("announced_backward_calls", &PipelineServer::announced_backward_calls);
 }
 
 }  // namespace smp::python

@@ -583,6 +583,18 @@ std::optional<Message> Transport::recv(std::chrono::milliseconds timeout) {
   return message;
 }
 
+std::optional<Message> Transport::try_recv() {
+  TransportState& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  SMP_CHECK(s.phase != Phase::kIdle, s.where(),
+            ": try_recv() needs an open step: call start() first");
+  if (s.first_error) std::rethrow_exception(s.first_error);
+  if (s.inbox.empty()) return std::nullopt;
+  Message message = std::move(s.inbox.front());
+  s.inbox.pop_front();
+  return message;
+}
+
 void Transport::finish() {
   TransportState& s = *state_;
   {

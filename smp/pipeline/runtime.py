@@ -40,10 +40,6 @@ class _Abort(BaseException):
     """Raised inside a suspended worker when the step is aborted (not an Exception on purpose)."""
 
 
-class RemoteError(RuntimeError):
-    """A module failed on another pipeline stage; the message names the stage and the module."""
-
-
 @dataclasses.dataclass
 class _Call:
     """A remote call made by a worker: what backward needs to know about it."""
@@ -60,10 +56,10 @@ class _Call:
 class _Worker:
     """A forward running in its own thread: the step function (leader) or a served call."""
 
-    _ids = itertools.count()
-
-    def __init__(self, runtime: PipelineRuntime, microbatch: int, target: Callable[[], Any]):
-        self.id = next(self._ids)
+    def __init__(
+        self, runtime: PipelineRuntime, microbatch: int, target: Callable[[], Any], worker_id: int
+    ):
+        self.id = worker_id
         self.runtime = runtime
         self.microbatch = microbatch
         self.target = target
@@ -209,7 +205,7 @@ class PipelineRuntime:
         sent = [t for t in tensors if t.requires_grad]
         call = _Call(call_id, owner, sent, [segments.edge_of(t) for t in sent])
         worker.calls.append(call)
-        self.waiting[call_id] = worker
+        self.server.expect(call_id, _C.TaskKind.RESUME, worker.microbatch, worker.id)
         self.transport.send(
             owner, [REQUEST, worker.microbatch, call_id, index], [skeleton, *tensors]
         )
@@ -237,13 +233,13 @@ class PipelineRuntime:
         cfg = self.state.config
         leader = self.stage == 0
         self.grad_enabled = torch.is_grad_enabled()
-        self.policy = _C.ServerPolicy(
-            cfg.pipeline, cfg.microbatches, cfg.active_microbatches, leader
+        self.transport.start()
+        self.server = _C.PipelineServer(
+            self.transport, cfg.pipeline, cfg.microbatches, cfg.active_microbatches, leader
         )
+        self.policy = self.server.policy
         self.results: list[Any] = [None] * cfg.microbatches
         self.workers: dict[int, _Worker] = {}
-        self.served: dict[tuple[int, int], _Worker] = {}  # (caller, call id) -> worker
-        self.waiting: dict[int, _Worker] = {}  # call id -> suspended worker
         self.call_of: dict[int, tuple[_Worker, _Call]] = {}
         self.step_workers: dict[int, _Worker] = {}  # microbatch -> leader worker
         self.backward_calls = 0
@@ -253,7 +249,6 @@ class PipelineRuntime:
         self.failed_module: str | None = None
         self.ended = False
         error: BaseException | None = None
-        self.transport.start()
         try:
             self._loop(leader)
         except BaseException as exc:  # noqa: BLE001
@@ -275,37 +270,36 @@ class PipelineRuntime:
         return self.results, self.backward_calls
 
     def _loop(self, leader: bool) -> None:
+        """Runs what the C++ server hands out until the step is over on this rank."""
         while True:
-            self._drain(block=False)
-            if leader and self._all_done():
-                for peer in range(self.num_stages):
-                    if peer != self.stage:
-                        self.transport.send(peer, [STEP_END, self.backward_calls], [])
+            item = self.server.next(self.timeout_s)
+            if item is None:
+                if leader:
+                    for peer in range(self.num_stages):
+                        if peer != self.stage:
+                            self.transport.send(peer, [STEP_END, self.backward_calls], [])
+                else:
+                    self.backward_calls = self.server.announced_backward_calls
                 return
-            if not leader and self.ended:
-                return
-            task = self.policy.next()
-            if task is None:
-                self._drain(block=True)
-                continue
+            task, message = item
             kind = task.kind
             if kind == _C.TaskKind.START_MICROBATCH:
                 mb = task.microbatch
                 args, kwargs = self.step_calls[mb]
-                worker = _Worker(self, mb, lambda a=args, k=kwargs: self.step_fn(*a, **k))
+                worker = _Worker(
+                    self, mb, lambda a=args, k=kwargs: self.step_fn(*a, **k), self.server.new_id()
+                )
                 self.step_workers[mb] = worker
                 self._start(worker)
-            elif kind in (_C.TaskKind.SERVE_REQUEST, _C.TaskKind.RESUME):
+            elif kind == _C.TaskKind.SERVE_REQUEST:
+                self._start(self._served_worker(task.id, *message))
+            elif kind == _C.TaskKind.RESUME:
                 worker = self.workers[task.id]
-                if kind == _C.TaskKind.SERVE_REQUEST:
-                    self._start(worker)
-                else:
-                    self._grant(worker)
+                tensors = message[2]
+                worker.reply = (tensors[0], tensors[1:])
+                self._grant(worker)
             else:
-                self._run_backward(self.workers[task.id])
-
-    def _all_done(self) -> bool:
-        return len(self.done_mb) == self.state.config.microbatches
+                self._gradients_arrived(self.workers[task.id], *message)
 
     # ---- workers ---------------------------------------------------------------------------------
 
@@ -359,72 +353,40 @@ class PipelineRuntime:
 
     # ---- messages --------------------------------------------------------------------------------
 
-    def _drain(self, block: bool) -> None:
-        while True:
-            try:
-                message = self.transport.recv(self.timeout_s if block else 0.0)
-            except RuntimeError as exc:
-                if block:
-                    raise RuntimeError(
-                        f"smp pipeline: stage {self.stage} waited {self.timeout_s:.0f} s for a "
-                        f"message ({exc}); queued work: {self.policy.describe()}"
-                    ) from exc
-                return
-            if message is None:
-                return
-            self._handle(*message)
-            if block:
-                return
+    def _served_worker(self, worker_id: int, peer: int, header: list[int], tensors) -> _Worker:
+        """A worker for a REQUEST: the owned module's real forward on the caller's values."""
+        mb, call_id, index = header[1], header[2], header[3]
+        skeleton, payload = tensors[0], tensors[1:]
+        worker = _Worker(self, mb, lambda: None, worker_id)
+        leaves = []
+        for slot, tensor in zip(messages.slots(skeleton), payload):
+            if slot.requires_grad and self.grad_enabled:
+                tensor.requires_grad_(True)
+                worker.boundary[id(tensor)] = tensor
+                leaves.append(tensor)
+        worker.input_leaves = leaves
+        args, kwargs = messages.unpack(skeleton, payload)
+        module = self.modules[self.paths[index]]
+        worker.target = lambda: module(*args, **kwargs)
+        worker.module_path = self.paths[index] or "<root>"
+        worker.served = (peer, call_id)
+        return worker
 
-    def _handle(self, peer: int, header: list[int], tensors: list[torch.Tensor]) -> None:
-        kind = header[0]
-        if kind == REQUEST:
-            mb, call_id, index = header[1], header[2], header[3]
-            skeleton, payload = tensors[0], tensors[1:]
-            worker = _Worker(self, mb, lambda: None)
-            leaves = []
-            for slot, tensor in zip(messages.slots(skeleton), payload):
-                if slot.requires_grad and self.grad_enabled:
-                    tensor.requires_grad_(True)
-                    worker.boundary[id(tensor)] = tensor
-                    leaves.append(tensor)
-            worker.input_leaves = leaves
-            args, kwargs = messages.unpack(skeleton, payload)
-            module = self.modules[self.paths[index]]
-            worker.target = lambda: module(*args, **kwargs)
-            worker.module_path = self.paths[index] or "<root>"
-            worker.served = (peer, call_id)
-            self.served[(peer, call_id)] = worker
-            self.workers[worker.id] = worker
-            self.policy.push(_C.TaskKind.SERVE_REQUEST, mb, worker.id)
-        elif kind == REPLY:
-            call_id = header[2]
-            worker = self.waiting.pop(call_id)
-            worker.reply = (tensors[0], tensors[1:])
-            self.policy.push(_C.TaskKind.RESUME, worker.microbatch, worker.id)
-        elif kind == GRAD_OUT:
-            worker = self.served[(peer, header[2])]
-            worker.out_grads = (header[3:], tensors)
-            self.policy.push(_C.TaskKind.BACKWARD, worker.microbatch, worker.id)
-        elif kind == GRAD_IN:
-            worker, call = self.call_of.pop(header[2])
-            present = header[3:]
+    def _gradients_arrived(self, worker: _Worker, peer: int, header: list[int], tensors) -> None:
+        """GRAD_OUT reached a served call, or GRAD_IN returned to a caller: continue backward."""
+        present = header[3:]
+        if header[0] == GRAD_OUT:
+            worker.out_grads = (present, tensors)
+        else:
+            _, call = self.call_of.pop(header[2])
             grads: list[torch.Tensor | None] = [None] * len(call.sent)
             for slot, grad in zip(present, tensors):
                 grads[slot] = grad
             call.grad_in = grads
-            self.policy.push(_C.TaskKind.BACKWARD, worker.microbatch, worker.id)
-        elif kind == ERROR:
-            text = tensors[0].numpy().tobytes().decode() if tensors else "unknown error"
-            raise RemoteError(text)
-        elif kind == STEP_END:
-            self.backward_calls = header[1]
-            self.ended = True
-        else:
-            raise RuntimeError(f"smp pipeline: unknown message kind {kind} from stage {peer}")
+        self._run_backward(worker)
 
     def _broadcast_error(self, exc: BaseException) -> None:
-        if isinstance(exc, RemoteError):
+        if isinstance(exc, _C.RemoteStageError):
             return  # the stage that failed has told everyone
         where = f"stage {self.stage}"
         if self.failed_microbatch is not None:
@@ -521,6 +483,7 @@ class PipelineRuntime:
                 out = [worker.leaf_grads.pop(id(leaf), None) for leaf in call.out_leaves]
                 present = [i for i, g in enumerate(out) if g is not None]
                 self.call_of[call.call_id] = (worker, call)
+                self.server.expect(call.call_id, _C.TaskKind.BACKWARD, worker.microbatch, worker.id)
                 self.transport.send(
                     call.owner,
                     [GRAD_OUT, worker.microbatch, call.call_id, *present],

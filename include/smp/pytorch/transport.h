@@ -167,6 +167,10 @@ class Transport {
   /// fast). Throws smp::Error if not started or timeout < 0.
   std::optional<Message> recv(std::chrono::milliseconds timeout);
 
+  /// Like recv() but never waits: the next message if one is queued, else std::nullopt. A
+  /// receiver's failure is rethrown as in recv().
+  std::optional<Message> try_recv();
+
   /// Ends the step: sends END to every peer (ascending rank), waits up to the timeout for END
   /// from every peer, joins the receiver threads and checks that every received message was
   /// delivered by recv(). Afterwards start() may open the next step.

@@ -1,0 +1,103 @@
+#include "smp/pytorch/server.h"
+
+#include <utility>
+
+#include "smp/error.h"
+
+namespace smp::pytorch {
+
+PipelineServer::PipelineServer(Transport* transport, PipelineKind kind, int num_microbatches,
+                               int active_microbatches, bool is_leader)
+    : transport_(transport),
+      policy_(kind, num_microbatches, active_microbatches, is_leader),
+      is_leader_(is_leader) {
+  SMP_CHECK(transport_ != nullptr, "PipelineServer: transport must not be null");
+}
+
+void PipelineServer::expect(int64_t call_id, TaskKind kind, int microbatch, int64_t worker_id) {
+  SMP_CHECK(kind == TaskKind::kResume || kind == TaskKind::kBackward,
+            "PipelineServer::expect: kind must be a resume or a backward");
+  (void)microbatch;  // the message carries it; kept in the signature for symmetry with push
+  expected_[call_id] = {kind, worker_id};
+}
+
+void PipelineServer::dispatch(Message message) {
+  SMP_INTERNAL_ASSERT(!message.header.empty(), "pipeline message without a header");
+  const auto kind = static_cast<MessageKind>(message.header[0]);
+  switch (kind) {
+    case MessageKind::kRequest: {
+      const int microbatch = static_cast<int>(message.header.at(1));
+      const int64_t call_id = message.header.at(2);
+      const int64_t id = new_id();
+      served_[{message.peer, call_id}] = id;
+      pending_[id] = std::move(message);
+      policy_.push(TaskKind::kServeRequest, microbatch, id);
+      return;
+    }
+    case MessageKind::kReply:
+    case MessageKind::kGradIn: {
+      const int microbatch = static_cast<int>(message.header.at(1));
+      const int64_t call_id = message.header.at(2);
+      auto it = expected_.find(call_id);
+      SMP_INTERNAL_ASSERT(it != expected_.end(), "unexpected reply or gradient for call ", call_id,
+                          " from stage ", message.peer);
+      const auto [task_kind, worker] = it->second;
+      expected_.erase(it);
+      pending_[worker] = std::move(message);
+      policy_.push(task_kind, microbatch, worker);
+      return;
+    }
+    case MessageKind::kGradOut: {
+      const int microbatch = static_cast<int>(message.header.at(1));
+      auto it = served_.find({message.peer, message.header.at(2)});
+      SMP_INTERNAL_ASSERT(it != served_.end(), "gradients for an unknown served call from stage ",
+                          message.peer);
+      const int64_t worker = it->second;
+      pending_[worker] = std::move(message);
+      policy_.push(TaskKind::kBackward, microbatch, worker);
+      return;
+    }
+    case MessageKind::kError: {
+      std::string text = "another stage failed";
+      if (!message.tensors.empty()) {
+        const at::Tensor& blob = message.tensors.front();
+        text.assign(static_cast<const char*>(blob.data_ptr()), blob.numel());
+      }
+      throw RemoteStageError(text);
+    }
+    case MessageKind::kStepEnd:
+      ended_ = true;
+      announced_backward_calls_ = message.header.size() > 1 ? message.header[1] : 0;
+      return;
+  }
+  SMP_INTERNAL_ASSERT(false, "unknown pipeline message kind ", message.header[0], " from stage ",
+                      message.peer);
+}
+
+std::optional<ServerTask> PipelineServer::next(std::chrono::milliseconds timeout) {
+  while (true) {
+    while (auto message = transport_->try_recv()) dispatch(std::move(*message));
+    if (std::optional<Task> task = policy_.next()) {
+      ServerTask out{*task, std::nullopt};
+      auto it = pending_.find(task->id);
+      if (task->kind != TaskKind::kStartMicrobatch && it != pending_.end()) {
+        out.message = std::move(it->second);
+        pending_.erase(it);
+      }
+      return out;
+    }
+    if (is_leader_ ? policy_.all_finished() : ended_) return std::nullopt;
+    std::optional<Message> message;
+    try {
+      message = transport_->recv(timeout);
+    } catch (const TransportError& error) {
+      throw TransportError(
+          ::smp::internal::concat(error.what(), "; queued work: ", policy_.describe()),
+          error.peers());
+    }
+    if (!message) return std::nullopt;  // every peer finished
+    dispatch(std::move(*message));
+  }
+}
+
+}  // namespace smp::pytorch

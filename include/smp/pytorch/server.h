@@ -1,0 +1,100 @@
+// smp/pytorch/server.h — the module server's loop: messages in, runnable tasks out.
+//
+// Every pipeline rank runs one PipelineServer per step. It owns the step's scheduling policy
+// (smp/server_policy.h) and reads the rank's Transport (smp/pytorch/transport.h): each incoming
+// message is decoded from its header and turned into a runnable task of the policy, and next()
+// returns the task the policy picks together with the message that made it runnable. What runs
+// a task (Python: the step function, a module's forward, a backward segment) stays outside.
+//
+// Protocol (header[0] is the MessageKind; ids are the sender's call ids):
+//   kRequest  {kind, microbatch, call id, module index}  caller -> owner: run a module forward
+//   kReply    {kind, microbatch, call id}                owner -> caller: its outputs
+//   kGradOut  {kind, microbatch, call id, slots...}      caller -> owner: gradients of outputs
+//   kGradIn   {kind, microbatch, call id, slots...}      owner -> caller: gradients of inputs
+//   kError    {kind}, tensors {utf-8 text}               any -> all: abort the step
+//   kStepEnd  {kind, backward calls}                     leader -> all: the step is over
+// Ids: every task id (worker id) comes from new_id(); the leader's microbatch starts carry the
+// microbatch index as the policy gives them. A REPLY or GRAD_IN is routed to the worker the
+// caller registered with expect(); a GRAD_OUT to the worker serving that (peer, call id).
+//
+// Example (one step on a non-leader stage):
+//   PipelineServer server(&transport, PipelineKind::kInterleaved, 4, 4, /*is_leader=*/false);
+//   while (auto task = server.next(std::chrono::seconds(300))) { run(*task); }
+//   // next() returned nullopt: STEP_END arrived and nothing is left to run
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "smp/pytorch/transport.h"
+#include "smp/server_policy.h"
+
+namespace smp::pytorch {
+
+/// Kinds of pipeline messages (header[0]).
+enum class MessageKind : int64_t {
+  kRequest = 1,
+  kReply = 2,
+  kGradOut = 3,
+  kGradIn = 4,
+  kError = 5,
+  kStepEnd = 6
+};
+
+/// Another stage failed the step; the message is that stage's description of the failure.
+class RemoteStageError : public std::runtime_error {
+ public:
+  explicit RemoteStageError(const std::string& message) : std::runtime_error(message) {}
+};
+
+/// A task the policy picked, with the message that made it runnable (none for a start).
+struct ServerTask {
+  Task task;
+  std::optional<Message> message;
+};
+
+class PipelineServer {
+ public:
+  /// `transport` must outlive the server and be started; the server never starts or finishes it.
+  PipelineServer(Transport* transport, PipelineKind kind, int num_microbatches,
+                 int active_microbatches, bool is_leader);
+
+  /// A fresh task / worker id.
+  int64_t new_id() { return next_id_++; }
+
+  /// Routes the REPLY (`kind` = kResume) or GRAD_IN (`kind` = kBackward) of this rank's call
+  /// `call_id` to worker `worker_id` of `microbatch`.
+  void expect(int64_t call_id, TaskKind kind, int microbatch, int64_t worker_id);
+
+  /// Reads every queued message, then returns the next task to run: waits up to `timeout` for a
+  /// message while nothing is runnable. Returns std::nullopt when the step is over on this rank:
+  /// on the leader when every microbatch has finished, elsewhere when STEP_END has arrived.
+  /// Throws RemoteStageError for an ERROR message, TransportError on a transport failure, and
+  /// TransportError naming the queued work if nothing arrives within `timeout`.
+  std::optional<ServerTask> next(std::chrono::milliseconds timeout);
+
+  /// The step's policy (lifecycle calls: on_forward_done, on_microbatch_finished).
+  ServerPolicy& policy() { return policy_; }
+  /// The leader's number of model.backward calls, as announced by STEP_END (non-leaders).
+  int64_t announced_backward_calls() const { return announced_backward_calls_; }
+
+ private:
+  void dispatch(Message message);
+
+  Transport* transport_;
+  ServerPolicy policy_;
+  bool is_leader_;
+  bool ended_ = false;
+  int64_t announced_backward_calls_ = 0;
+  int64_t next_id_ = 1 << 20;                                 // above any microbatch index
+  std::map<int64_t, std::pair<TaskKind, int64_t>> expected_;  // call id -> (kind, worker)
+  std::map<std::pair<int, int64_t>, int64_t> served_;         // (peer, call id) -> worker
+  std::map<int64_t, Message> pending_;                        // worker -> message
+};
+
+}  // namespace smp::pytorch
