@@ -165,10 +165,17 @@ class PipelineRuntime:
         state.closers.append(self.close)
 
     def close(self) -> None:
-        """Releases the transport (its receiver threads end); called by smp.shutdown()."""
+        """Releases the transport and everything that keeps it (and so its process group) alive;
+        called by smp.shutdown() before the groups are destroyed. A transport left to the
+        interpreter's final garbage collection would destroy its group in an arbitrary order
+        ('terminate called without an active exception' at exit)."""
+        self.policy = None  # a view into the server
+        self.server = None  # keeps the transport alive (pybind keep_alive)
+        self.workers = {}
         transport, self.transport = self.transport, None
         if transport is not None:
             transport.abort()
+            del transport
 
     def _new_transport(self):
         peers = [s for s in range(self.num_stages) if s != self.stage]
