@@ -69,7 +69,8 @@ class _Worker:
         self.error: BaseException | None = None
         self.error_text = ""
         self.aborted = False
-        self.reply: Any = None
+        self.reply: Any = None  # (skeleton, tensors) of the REPLY that resumes this worker
+        self.out_grads: tuple[list[int], list[torch.Tensor]] | None = None  # served: GRAD_OUT
         # backward bookkeeping
         self.starts: list[int] = []
         self.calls: list[_Call] = []

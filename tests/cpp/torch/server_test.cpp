@@ -15,6 +15,7 @@ namespace smp::pytorch {
 namespace {
 
 using std::chrono::milliseconds;
+using test_util::expect_no_errors;
 using test_util::Rank;
 using test_util::run_ranks;
 using test_util::ThreadWorld;
@@ -27,17 +28,6 @@ constexpr auto kGradOut = static_cast<int64_t>(MessageKind::kGradOut);
 constexpr auto kGradIn = static_cast<int64_t>(MessageKind::kGradIn);
 constexpr auto kError = static_cast<int64_t>(MessageKind::kError);
 constexpr auto kStepEnd = static_cast<int64_t>(MessageKind::kStepEnd);
-
-void expect_no_errors(const std::vector<std::exception_ptr>& errors) {
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (!errors[r]) continue;
-    try {
-      std::rethrow_exception(errors[r]);
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << "rank " << r << ": " << e.what();
-    }
-  }
-}
 
 // One microbatch, one remote call and its backward: the leader starts the microbatch, calls a
 // module on stage 1 (REQUEST / REPLY), runs backward (GRAD_OUT / GRAD_IN), finishes, and ends the

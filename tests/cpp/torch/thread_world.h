@@ -29,6 +29,7 @@
 //   });
 #pragma once
 
+#include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -317,6 +318,18 @@ std::vector<std::exception_ptr> run_ranks(int world_size, const std::shared_ptr<
   }
   for (auto& t : threads) t.join();
   return errors;
+}
+
+// Reports, as test failures, every rank's exception returned by run_ranks().
+inline void expect_no_errors(const std::vector<std::exception_ptr>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank " << r << " threw: " << e.what();
+    }
+  }
 }
 
 }  // namespace smp::pytorch::test_util

@@ -28,6 +28,7 @@ namespace smp::pytorch {
 namespace {
 
 using std::chrono::milliseconds;
+using test_util::expect_no_errors;
 using test_util::make_rank;
 using test_util::Rank;
 using test_util::run_ranks;
@@ -142,17 +143,6 @@ std::thread spawn(std::function<void()> fn) {
       ADD_FAILURE() << "sender thread threw: " << e.what();
     }
   });
-}
-
-void expect_no_errors(const std::vector<std::exception_ptr>& errors) {
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (!errors[r]) continue;
-    try {
-      std::rethrow_exception(errors[r]);
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << "rank " << r << " threw: " << e.what();
-    }
-  }
 }
 
 // ---- messages ----------------------------------------------------------------------------

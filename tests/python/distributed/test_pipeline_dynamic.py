@@ -169,6 +169,16 @@ def _two_stage_failing(smp, timeout_s: float, hook):
     return module, model, train_step
 
 
+def _failure_and_seconds(run) -> tuple[str | None, float]:
+    """Runs ``run()``; returns ("Type: message" of what it raised or None, seconds it took)."""
+    start = time.monotonic()
+    try:
+        run()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
 def _remote_failure_worker():
     import smp
 
@@ -177,12 +187,7 @@ def _remote_failure_worker():
             raise ValueError("bad activations in b")
 
     _, model, train_step = _two_stage_failing(smp, 60, explode)
-    start = time.monotonic()
-    try:
-        train_step(model, torch.randn(4, 4))
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}", time.monotonic() - start
-    return None, time.monotonic() - start
+    return _failure_and_seconds(lambda: train_step(model, torch.randn(4, 4)))
 
 
 def test_exception_on_stage_one_reaches_rank_zero(pools):
@@ -206,12 +211,7 @@ def _killed_stage_worker():
     _, model, train_step = _two_stage_failing(smp, 20, die)
     train_step(model, torch.randn(4, 4))  # partitions (tracing runs b on rank 0) and trains
     armed[0] = True
-    start = time.monotonic()
-    try:
-        train_step(model, torch.randn(4, 4))
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}", time.monotonic() - start
-    return None, time.monotonic() - start
+    return _failure_and_seconds(lambda: train_step(model, torch.randn(4, 4)))
 
 
 def test_killed_stage_makes_the_leader_fail_within_the_timeout(pools):
