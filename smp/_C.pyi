@@ -59,6 +59,45 @@ def allreduce_mean_(
     bucket_bytes: int,
 ) -> int: ...
 
+class tp:
+    """smp._C.tp: tensor-parallel communication as autograd pairs (smp/pytorch/tp_comm.h).
+
+    A submodule at runtime (an attribute of smp._C, not importable as ``smp._C.tp``); stubbed as
+    a class of static functions. Every function releases the GIL while it communicates.
+    """
+
+    @staticmethod
+    def copy_to_region(x: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor: ...
+    @staticmethod
+    def reduce_from_region(
+        x: torch.Tensor, group: torch.distributed.ProcessGroup
+    ) -> torch.Tensor: ...
+    @staticmethod
+    def scatter_to_region(
+        x: torch.Tensor, dim: int, group: torch.distributed.ProcessGroup
+    ) -> torch.Tensor: ...
+    @staticmethod
+    def gather_from_region(
+        x: torch.Tensor, dim: int, group: torch.distributed.ProcessGroup
+    ) -> torch.Tensor: ...
+    @staticmethod
+    def reduce_scatter(
+        x: torch.Tensor, dim: int, group: torch.distributed.ProcessGroup
+    ) -> torch.Tensor: ...
+    @staticmethod
+    def all_gather(
+        x: torch.Tensor, dim: int, group: torch.distributed.ProcessGroup
+    ) -> torch.Tensor: ...
+
+class CountingGroup:
+    """Counts the ops issued through ``.group``: {op kind: (calls, input bytes)}."""
+
+    def __init__(self, group: torch.distributed.ProcessGroup) -> None: ...
+    @property
+    def group(self) -> torch.distributed.ProcessGroup: ...
+    def counts(self) -> dict[str, tuple[int, int]]: ...
+    def reset(self) -> None: ...
+
 class PartitionNode:
     name: str
     parent: int

@@ -10,5 +10,6 @@ void init_partition_bindings(pybind11::module_& m);
 void init_comm_bindings(pybind11::module_& m);
 void init_transport_bindings(pybind11::module_& m);
 void init_policy_bindings(pybind11::module_& m);
+void init_tp_bindings(pybind11::module_& m);
 
 }  // namespace smp::python

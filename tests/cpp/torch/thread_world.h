@@ -8,8 +8,15 @@
 // torch's dispatcher (c10d::allreduce_, c10d::send, c10d::recv_) exactly as with gloo.
 //
 // What it models:
-//   - allreduce (SUM): the k-th allreduce of every rank forms collective k; the last rank to
-//     arrive sums in rank order, writes the sum into every rank's tensor and completes the Works.
+//   - Collectives: the k-th collective of every rank (allreduce, _allgather_base and
+//     _reduce_scatter_base counted together) forms collective k; the last rank to arrive
+//     computes the result for every rank and completes the Works. Ranks that issue different
+//     kinds (or sizes) as collective k all fail with an error naming them.
+//       allreduce (SUM)              the sum in rank order, written into every rank's tensor
+//       _allgather_base              output = the ranks' inputs, flattened, in rank order
+//       _reduce_scatter_base (SUM)   output on rank r = chunk r of the flat sum (rank order)
+//     Tensors must be contiguous (as with gloo); the input of _allgather_base and the output of
+//     _reduce_scatter_base must have 1/world_size the elements of the other side.
 //   - send/recv like gloo's: (src, dst, tag) is one FIFO channel; a send and a receive are
 //     matched in posting order, and neither Work completes before both are posted (gloo's
 //     point-to-point is a rendezvous). The bytes are copied at matching time, so a sender that
@@ -107,25 +114,43 @@ class ThreadWorld {
  public:
   explicit ThreadWorld(int world_size) : world_size_(world_size) {}
 
-  // Makes collective `seq` fail (issue: allreduce throws; complete: its Work fails).
+  // Makes collective `seq` fail (issue: the op throws; complete: its Work fails).
   int fail_issue_at = -1;
   int fail_complete_at = -1;
 
-  void contribute(int64_t seq, int rank, const at::Tensor& tensor,
-                  const c10::intrusive_ptr<ThreadWork>& work) {
+  enum class Kind { kAllreduce, kAllgatherBase, kReduceScatterBase };
+
+  static const char* kind_name(Kind kind) {
+    switch (kind) {
+      case Kind::kAllreduce:
+        return "allreduce";
+      case Kind::kAllgatherBase:
+        return "_allgather_base";
+      case Kind::kReduceScatterBase:
+        return "_reduce_scatter_base";
+    }
+    return "?";
+  }
+
+  // Rank `rank`'s part of collective `seq`: it reads `input` and writes `output` (the same
+  // tensor for allreduce).
+  void contribute(int64_t seq, int rank, Kind kind, const at::Tensor& input,
+                  const at::Tensor& output, const c10::intrusive_ptr<ThreadWork>& work) {
     std::lock_guard<std::mutex> lock(mutex_);
     Slot& slot = slots_[seq];
-    slot.tensors.emplace(rank, tensor);
+    slot.parts.emplace(rank, Part{kind, input, output});
     slot.works.push_back(work);
-    if (static_cast<int>(slot.tensors.size()) < world_size_) return;
+    if (static_cast<int>(slot.parts.size()) < world_size_) return;
 
     std::exception_ptr error;
     if (seq == fail_complete_at) {
       error = std::make_exception_ptr(std::runtime_error("ThreadWorld: injected failure"));
     } else {
-      at::Tensor sum = at::zeros_like(slot.tensors.begin()->second);
-      for (const auto& [r, t] : slot.tensors) sum.add_(t);  // in rank order: deterministic
-      for (auto& [r, t] : slot.tensors) t.copy_(sum);
+      try {
+        complete(seq, slot);
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
     for (const auto& w : slot.works) w->complete(error);
     slots_.erase(seq);
@@ -177,10 +202,72 @@ class ThreadWorld {
   }
 
  private:
+  struct Part {
+    Kind kind;
+    at::Tensor input;
+    at::Tensor output;
+  };
   struct Slot {
-    std::map<int, at::Tensor> tensors;
+    std::map<int, Part> parts;  // by rank: iteration in rank order
     std::vector<c10::intrusive_ptr<ThreadWork>> works;
   };
+
+  // Computes every rank's output of a full collective; throws (failing every rank's Work) if the
+  // ranks disagree on the kind or the sizes. Caller holds mutex_.
+  void complete(int64_t seq, Slot& slot) const {
+    const Part& first = slot.parts.begin()->second;
+    for (const auto& [r, part] : slot.parts) {
+      if (part.kind != first.kind || part.input.numel() != first.input.numel() ||
+          part.output.numel() != first.output.numel() || !part.input.is_contiguous() ||
+          !part.output.is_contiguous()) {
+        throw std::runtime_error(
+            "ThreadWorld: collective " + std::to_string(seq) + ": rank " + std::to_string(r) +
+            " issued " + kind_name(part.kind) + " of " + std::to_string(part.input.numel()) +
+            " -> " + std::to_string(part.output.numel()) + " elements, rank " +
+            std::to_string(slot.parts.begin()->first) + " " + kind_name(first.kind) + " of " +
+            std::to_string(first.input.numel()) + " -> " + std::to_string(first.output.numel()) +
+            " (or a tensor is not contiguous)");
+      }
+    }
+    const int64_t in_numel = first.input.numel();
+    const int64_t out_numel = first.output.numel();
+    switch (first.kind) {
+      case Kind::kAllreduce: {
+        at::Tensor sum = at::zeros_like(first.input);
+        for (const auto& [r, part] : slot.parts) sum.add_(part.input);  // rank order
+        for (auto& [r, part] : slot.parts) part.output.copy_(sum);
+        break;
+      }
+      case Kind::kAllgatherBase: {
+        if (out_numel != in_numel * world_size_) {
+          throw std::runtime_error("ThreadWorld: _allgather_base output has " +
+                                   std::to_string(out_numel) + " elements, expected " +
+                                   std::to_string(in_numel * world_size_));
+        }
+        for (auto& [r, dst] : slot.parts) {
+          at::Tensor flat = dst.output.view({-1});
+          for (const auto& [src_rank, src] : slot.parts) {
+            flat.narrow(0, src_rank * in_numel, in_numel).copy_(src.input.view({-1}));
+          }
+        }
+        break;
+      }
+      case Kind::kReduceScatterBase: {
+        if (in_numel != out_numel * world_size_) {
+          throw std::runtime_error("ThreadWorld: _reduce_scatter_base input has " +
+                                   std::to_string(in_numel) + " elements, expected " +
+                                   std::to_string(out_numel * world_size_));
+        }
+        at::Tensor sum = at::zeros({in_numel}, first.input.options());
+        for (const auto& [r, part] : slot.parts) sum.add_(part.input.view({-1}));  // rank order
+        for (auto& [r, part] : slot.parts) {
+          part.output.view({-1}).copy_(sum.narrow(0, r * out_numel, out_numel));
+        }
+        break;
+      }
+    }
+  }
+
   struct P2pOp {
     at::Tensor tensor;
     c10::intrusive_ptr<ThreadWork> work;
@@ -247,13 +334,24 @@ class ThreadBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
-    const int64_t seq = num_allreduce_++;
+    num_allreduce_++;
     if (opts.reduceOp != c10d::ReduceOp::SUM) num_non_sum_ops_++;
     if (tensors.size() != 1) throw std::logic_error("ThreadBackend: expected one tensor");
-    if (seq == world_->fail_issue_at) throw std::runtime_error("ThreadBackend: injected failure");
-    auto work = c10::make_intrusive<ThreadWork>(getRank());
-    world_->contribute(seq, getRank(), tensors[0], work);
-    return work;
+    return issue(ThreadWorld::Kind::kAllreduce, c10d::OpType::ALLREDUCE, tensors[0], tensors[0]);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    num_allgather_base_++;
+    return issue(ThreadWorld::Kind::kAllgatherBase, c10d::OpType::_ALLGATHER_BASE, input, output);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    num_reduce_scatter_base_++;
+    if (opts.reduceOp != c10d::ReduceOp::SUM) num_non_sum_ops_++;
+    return issue(ThreadWorld::Kind::kReduceScatterBase, c10d::OpType::_REDUCE_SCATTER_BASE, input,
+                 output);
   }
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
@@ -276,12 +374,25 @@ class ThreadBackend : public c10d::Backend {
   // recvAnysource is deliberately not implemented: the base class throws (design.md §4).
 
   std::atomic<int64_t> num_allreduce_{0};
+  std::atomic<int64_t> num_allgather_base_{0};
+  std::atomic<int64_t> num_reduce_scatter_base_{0};
   std::atomic<int64_t> num_non_sum_ops_{0};
   std::atomic<int64_t> num_send_{0};
   std::atomic<int64_t> num_recv_{0};
 
  private:
+  // Collective number `seq` of this rank, whatever its kind (see the file comment).
+  c10::intrusive_ptr<c10d::Work> issue(ThreadWorld::Kind kind, c10d::OpType type,
+                                       const at::Tensor& input, const at::Tensor& output) {
+    const int64_t seq = num_collectives_++;
+    if (seq == world_->fail_issue_at) throw std::runtime_error("ThreadBackend: injected failure");
+    auto work = c10::make_intrusive<ThreadWork>(getRank(), type);
+    world_->contribute(seq, getRank(), kind, input, output, work);
+    return work;
+  }
+
   std::shared_ptr<ThreadWorld> world_;
+  std::atomic<int64_t> num_collectives_{0};
 };
 
 struct Rank {
