@@ -14,7 +14,7 @@
 See docs/ and api.md for the whole API.
 """
 
-from smp import comm
+from smp import comm, nn
 from smp.comm import *  # noqa: F403 - rank helpers, groups and object collectives
 from smp.config import Config
 from smp.model import DistributedModel
@@ -22,6 +22,13 @@ from smp.optimizer import DistributedOptimizer
 from smp.partitioning import PartitionPlan, partition, plan_partition, set_partition
 from smp.state import init, is_initialized, shutdown
 from smp.step import StepFailedError, StepOutput, microbatch, step
+from smp.tensor_parallel import (
+    model_creation,
+    set_tensor_parallelism,
+    tensor_parallelism,
+    tp_register,
+    tp_register_with_module,
+)
 
 __version__ = "0.1.0"
 
@@ -40,5 +47,11 @@ __all__ = [
     "StepOutput",
     "StepFailedError",
     "microbatch",
+    "tensor_parallelism",
+    "set_tensor_parallelism",
+    "model_creation",
+    "tp_register",
+    "tp_register_with_module",
+    "nn",
     *comm.__all__,
 ]

@@ -32,7 +32,6 @@ __all__ = ["DistributedModel"]
 
 logger = logging.getLogger("smp")
 
-_NOT_YET = {"tensor_parallel_degree": "tensor parallelism"}
 _UNSUPPORTED_FLAGS = (
     "fp16",
     "bf16",
@@ -95,12 +94,6 @@ class DistributedModel(nn.Module):
         if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
         cfg = state.config
-        for key, feature in _NOT_YET.items():
-            if getattr(cfg, key) > 1:
-                raise NotImplementedError(
-                    f"smp.DistributedModel: {key}={getattr(cfg, key)} needs {feature}, which this "
-                    f"version of smp does not have yet; run with {key}=1"
-                )
         for key in _UNSUPPORTED_FLAGS:
             if getattr(cfg, key):
                 raise NotImplementedError(
@@ -108,6 +101,19 @@ class DistributedModel(nn.Module):
                     f"smp yet; set it to False"
                 )
 
+        self.distributed_modules: list[str] = []  # paths replaced by tensor-parallel versions
+        if cfg.tensor_parallel_degree > 1:
+            from smp.tensor_parallel import distribute_marked_modules
+
+            module, self.distributed_modules = distribute_marked_modules(module, state.groups["tp"])
+            if state.rank == 0 and self.distributed_modules:
+                logger.info(
+                    "smp: %d module(s) split over tensor_parallel_degree %d: %s",
+                    len(self.distributed_modules),
+                    cfg.tensor_parallel_degree,
+                    ", ".join(self.distributed_modules[:8])
+                    + (" ..." if len(self.distributed_modules) > 8 else ""),
+                )
         self.module = module.to(state.device)
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
@@ -132,7 +138,11 @@ class DistributedModel(nn.Module):
         self._step_count = 0
 
         _check_replicas_match(self.module)
-        self._broadcast_from_dp_rank0(list(_unique_parameters(self.module)))
+        params = _unique_parameters(self.module)
+        # Shards differ across the TP group: each is broadcast over its rdp group. Everything
+        # else (replicated parameters included) is the same on every rank of the dp group.
+        self._broadcast_from_dp_rank0([p for p in params if not _is_shard(p)])
+        self._broadcast([p for p in params if _is_shard(p)], "rdp")
         self._broadcast_from_dp_rank0(list(self.module.buffers()))
         # One stage: everything is already where it runs. With pp > 1 the first smp.step traces
         # the model and partitions it (see _partition).
@@ -202,9 +212,10 @@ class DistributedModel(nn.Module):
         call it; each stage contributes its part.
         """
         if self._runtime is None:
-            return self.module.state_dict(*args, **kwargs)
+            return self._unshard_tp(self.module.state_dict(*args, **kwargs))
         state = get_state()
-        local = {k: v.detach().cpu() for k, v in self.local_state_dict().items()}
+        local = self._unshard_tp(self.local_state_dict())  # full shapes, this stage's keys
+        local = {k: v.detach().cpu() for k, v in local.items()}
         parts: list[Any] = [None] * state.axis_size("pp")
         dist.all_gather_object(parts, local, group=state.groups["pp"])
         merged: dict[str, Any] = {}
@@ -216,8 +227,10 @@ class DistributedModel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a full state dict (original keys); each rank takes the part it holds."""
         if self._runtime is None:
-            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        mine = {k: v for k, v in state_dict.items() if self._owns(k)}
+            return self.module.load_state_dict(
+                self._shard_tp(state_dict), strict=strict, assign=assign
+            )
+        mine = self._shard_tp({k: v for k, v in state_dict.items() if self._owns(k)})
         expected = set(self.local_state_dict())
         if strict:
             missing = sorted(expected - set(mine))
@@ -227,6 +240,54 @@ class DistributedModel(nn.Module):
                     f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unknown[:5]}"
                 )
         return self.module.load_state_dict(mine, strict=False, assign=assign)
+
+    def _split_params(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.module.named_parameters() if _is_shard(p)}
+
+    def _unshard_tp(self, local: dict[str, Any]) -> dict[str, Any]:
+        """Full shapes for the TP shards of a state dict (a collective over the TP group)."""
+        split = self._split_params()
+        if not split:
+            return local
+        from smp.nn.functional import unshard_tensor
+
+        state = get_state()
+        group, n = state.groups["tp"], state.axis_size("tp")
+        out = dict(local)
+        for key in local:
+            param = split.get(key)
+            if param is None:
+                continue
+            shard = local[key].detach().contiguous()
+            parts = [torch.empty_like(shard) for _ in range(n)]
+            dist.all_gather(parts, shard, group=group)
+            dim, fused = param._smp_tp_split
+            out[key] = unshard_tensor(parts, dim, fused)
+        return out
+
+    def _shard_tp(self, full: dict[str, Any]) -> dict[str, Any]:
+        """This rank's shards of the TP-split entries of a full state dict."""
+        split = self._split_params()
+        if not split:
+            return full
+        from smp.nn.functional import shard_tensor
+
+        state = get_state()
+        n, r = state.axis_size("tp"), state.axis_rank("tp")
+        out = dict(full)
+        for key, value in full.items():
+            param = split.get(key)
+            if param is None:
+                continue
+            dim, fused = param._smp_tp_split
+            if value.dim() <= dim or value.size(dim) != param.size(dim) * n:
+                raise ValueError(
+                    f"load_state_dict: {key} has shape {tuple(value.shape)}; expected the full "
+                    f"shape, {param.size(dim) * n} along dim {dim} (this rank holds "
+                    f"{tuple(param.shape)} of it, tensor_parallel_degree {n})"
+                )
+            out[key] = shard_tensor(value, dim, fused, n, r)
+        return out
 
     @property
     def partition_plan(self):
@@ -271,11 +332,15 @@ class DistributedModel(nn.Module):
             try:
                 traces = None
                 if not cfg.skip_tracing:
-                    traces = trace_modules(
-                        self.module,
-                        lambda: self._run_traced(run_first_microbatch),
-                        self.trace_execution_times,
-                    )
+                    from smp.nn.functional import local_only
+
+                    # Rank 0 runs the model alone: distributed modules must not communicate.
+                    with local_only():
+                        traces = trace_modules(
+                            self.module,
+                            lambda: self._run_traced(run_first_microbatch),
+                            self.trace_execution_times,
+                        )
                 plan = build_plan(
                     self.module,
                     cfg.pipeline_parallel_degree,
@@ -368,7 +433,8 @@ class DistributedModel(nn.Module):
 
         num_mb = state.config.microbatches if self.average_grads_across_microbatches else 1
         union = self._grad_union or self._grad_presence()
-        grads = []
+        # (group, divisor) -> gradients; see _reduction for the rule.
+        batches: dict[tuple[str, int], list[torch.Tensor]] = {}
         for p, used in zip(self._grad_params, union):
             if not used:
                 continue
@@ -376,9 +442,11 @@ class DistributedModel(nn.Module):
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif not p.grad.is_contiguous():  # e.g. the gradient of a transposed parameter
                 p.grad = p.grad.contiguous()
-            grads.append(p.grad)
-        dp_size = state.axis_size("dp")
-        _C.allreduce_mean_(grads, state.groups["dp"], float(dp_size * num_mb), self.bucket_bytes)
+            batches.setdefault(_reduction(p, state), []).append(p.grad)
+        for (group, divisor), grads in batches.items():
+            _C.allreduce_mean_(
+                grads, state.groups[group], float(divisor * num_mb), self.bucket_bytes
+            )
 
         for p, old in zip(self._grad_params, self._stash or []):
             if old is not None:
@@ -388,12 +456,38 @@ class DistributedModel(nn.Module):
     # ---- helpers ------------------------------------------------------------------------------
 
     def _broadcast_from_dp_rank0(self, tensors: list[torch.Tensor]) -> None:
+        self._broadcast(tensors, "dp")
+
+    def _broadcast(self, tensors: list[torch.Tensor], group: str) -> None:
+        """Broadcasts ``tensors`` from rank 0 of this rank's group ``group``."""
         state = get_state()
-        if state.axis_size("dp") == 1 or not tensors:
+        if state.axis_size(group) == 1 or not tensors:
             return
         with torch.no_grad():
-            # The root is a rank of the group (dp rank 0), as in c10d's BroadcastOptions.
-            dist._broadcast_coalesced(state.groups["dp"], tensors, self.bucket_bytes, 0)
+            # The root is a rank of the group (its rank 0), as in c10d's BroadcastOptions.
+            dist._broadcast_coalesced(state.groups[group], tensors, self.bucket_bytes, 0)
+
+
+def _is_shard(p: torch.Tensor) -> bool:
+    """Whether ``p`` is this rank's shard of a tensor split over the TP group."""
+    return getattr(p, "_smp_tp_split", None) is not None
+
+
+def _reduction(p: torch.Tensor, state) -> tuple[str, int]:
+    """(group, divisor before microbatches) of the gradient reduction of parameter ``p``.
+
+    The target is the mean over the global batch. A parameter outside any distributed module
+    sees this rank's samples: summed over dp, divided by dp. A parameter of a distributed module
+    whose gradient every TP rank computes from the whole region batch (``_smp_tp_reduce ==
+    "rdp"``: shards, replicated tensors inside the region) is summed over rdp only; one computed
+    from this rank's part of the batch ("dp") over dp. Both divide by the number of distinct
+    per-rank batches: dp, or rdp with ``prescaled_batch`` (the TP ranks share one batch).
+    """
+    reduce = getattr(p, "_smp_tp_reduce", None)
+    if reduce is None:
+        return "dp", state.axis_size("dp")
+    divisor = state.axis_size("rdp" if state.config.prescaled_batch else "dp")
+    return reduce, divisor
 
 
 class _TraceComplete(BaseException):  # not Exception: user code must not swallow it

@@ -96,7 +96,17 @@ class DistributedOptimizer:
         grads = [
             p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
         ]
-        grads = list({id(g): g for g in grads}.values())
+        grads = all_grads = list({id(g): g for g in grads}.values())
+        # Gradients are identical across the TP group except shards of split parameters: count
+        # the others once per model replica, on TP rank 0.
+        if state.axis_size("tp") > 1 and state.axis_rank("tp") != 0:
+            shard_grads = {
+                id(p.grad)
+                for group in self.param_groups
+                for p in group["params"]
+                if p.grad is not None and getattr(p, "_smp_tp_split", None) is not None
+            }
+            grads = [g for g in grads if id(g) in shard_grads]
         device = grads[0].device if grads else state.device
         if math.isinf(norm_type):
             local = max((g.detach().abs().max() for g in grads), default=torch.zeros(()))
@@ -113,6 +123,6 @@ class DistributedOptimizer:
             norm = total[0] ** (1.0 / norm_type)
         coefficient = max_norm / (norm + 1e-6)
         if coefficient < 1:
-            for g in grads:
+            for g in all_grads:
                 g.detach().mul_(coefficient.to(g.dtype))
         return norm

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from smp import _C
+from smp._creation import creation_hook
 from smp.config import build_config
 
 __all__ = [
@@ -50,14 +51,12 @@ _PIN_ATTR = "_smp_partition"
 # ---- manual placement ---------------------------------------------------------------------------
 
 _pin_stack = threading.local()
-_original_module_init = nn.Module.__init__
 
 
-def _pinning_init(self, *args, **kwargs):
-    _original_module_init(self, *args, **kwargs)
+def _pin(module: nn.Module) -> None:
     stack = getattr(_pin_stack, "indices", None)
     if stack:
-        object.__setattr__(self, _PIN_ATTR, stack[-1])
+        object.__setattr__(module, _PIN_ATTR, stack[-1])
 
 
 def _check_index(index: Any, what: str) -> int:
@@ -84,13 +83,11 @@ def partition(index: int) -> Iterator[None]:
     if stack is None:
         stack = _pin_stack.indices = []
     stack.append(index)
-    nn.Module.__init__ = _pinning_init
     try:
-        yield
+        with creation_hook(_pin):
+            yield
     finally:
         stack.pop()
-        if not stack:
-            nn.Module.__init__ = _original_module_init
 
 
 def set_partition(module: nn.Module, index: int) -> None:
@@ -362,11 +359,22 @@ def _build_nodes(
         order[path] = min(candidates) if candidates else None
     order[""] = -1
 
-    # Never-called subtrees fold into their nearest called ancestor.
+    # Never-called subtrees fold into their nearest called ancestor, and everything inside an
+    # atomic module (``_smp_atomic``: a tensor-parallel region, whose forward must run whole on
+    # one stage) into that module.
     home: dict[str, str] = {}
+    inside_atomic: dict[str, bool] = {}
     for path in paths:
         parent = parent_of[path]
-        home[path] = path if order[path] is not None or parent is None else home[parent]
+        if parent is None:
+            home[path] = path
+        elif order[path] is None or inside_atomic[parent]:
+            home[path] = home[parent]
+        else:
+            home[path] = path
+        inside_atomic[path] = (parent is not None and inside_atomic[parent]) or bool(
+            getattr(modules[path], "_smp_atomic", False)
+        )
 
     # Shared parameters merge their owners (transitively).
     uf = _UnionFind([p for p in paths if home[p] == p])

@@ -42,7 +42,8 @@ class State:
         rank, world_size, local_rank, local_size: this process in the job.
         backend: "gloo" or "nccl".
         device: where this rank's model lives (``cuda:<local_rank>`` with NCCL, else CPU).
-        groups: {"world", "pp", "tp", "dp", "rdp", "mp"} -> this rank's torch process group.
+        groups: {"world", "pp", "tp", "dp", "rdp", "mp"} -> this rank's torch process group
+            (plus "tp_order" with pp > 1 and tp > 1: see PipelineRuntime).
         group_ranks: the same keys -> the world ranks of that group, ascending.
         owns_default_group: True when smp created the default process group (and so destroys it).
     """
@@ -230,6 +231,14 @@ def _build_groups(state: State, timeout: datetime.timedelta) -> None:
             if state.rank in ranks:
                 state.groups[name] = group
                 state.group_ranks[name] = list(ranks)
+    if state.topology.pp_size > 1 and state.topology.tp_size > 1:
+        # The pipeline's TP ranks agree on the order of their tasks over a group of their own,
+        # so those messages never interleave with the TP collectives of the modules.
+        for ranks in state.topology.groups(_C.Axis.TP):
+            group = dist.new_group(ranks, timeout=timeout)
+            if state.rank in ranks:
+                state.groups["tp_order"] = group
+                state.group_ranks["tp_order"] = list(ranks)
 
 
 def shutdown() -> None:

@@ -33,6 +33,8 @@ from smp.state import State
 __all__ = ["PipelineRuntime"]
 
 REQUEST, REPLY, GRAD_OUT, GRAD_IN, ERROR, STEP_END = range(1, 7)
+_ORDER_END, _ORDER_ABORT = -1, -2  # TP task order: the step is over / TP rank 0 failed
+_no_op = contextlib.nullcontext
 _TAG = 0x5E7
 
 
@@ -158,6 +160,12 @@ class PipelineRuntime:
         self.assignment = assignment
         self._tag = _TAG
         self.transport = self._new_transport()
+        # With tensor parallelism, the TP ranks of a stage must run their tasks in one order (the
+        # modules' TP collectives are matched by order): TP rank 0 picks, the others follow.
+        self.order_group = state.groups.get("tp_order")
+        self.order_leader = state.axis_rank("tp") == 0
+        self.order_transport = self._new_order_transport()
+        self._stash: dict[tuple, Any] = {}
         self.timeout_s = float(state.config.timeout_s)
         self._back = threading.Semaphore(0)
         self._call_ids = itertools.count()
@@ -174,9 +182,18 @@ class PipelineRuntime:
         self.server = None  # keeps the transport alive (pybind keep_alive)
         self.workers = {}
         transport, self.transport = self.transport, None
-        if transport is not None:
-            transport.abort()
-            del transport
+        order, self.order_transport = self.order_transport, None
+        for t in (transport, order):
+            if t is not None:
+                t.abort()
+        del transport, order, t
+
+    def _new_order_transport(self):
+        if self.order_group is None:
+            return None
+        n = self.state.axis_size("tp")
+        peers = list(range(1, n)) if self.order_leader else [0]
+        return _C.Transport(self.order_group, peers, float(self.state.config.timeout_s), self._tag)
 
     def _new_transport(self):
         peers = [s for s in range(self.num_stages) if s != self.stage]
@@ -241,7 +258,11 @@ class PipelineRuntime:
         cfg = self.state.config
         leader = self.stage == 0
         self.grad_enabled = torch.is_grad_enabled()
+        self._call_ids = itertools.count()  # the same sequence on every TP rank of the stage
+        self._stash = {}
         self.transport.start()
+        if self.order_transport is not None:
+            self.order_transport.start()
         self.server = _C.PipelineServer(
             self.transport, cfg.pipeline, cfg.microbatches, cfg.active_microbatches, leader
         )
@@ -266,21 +287,26 @@ class PipelineRuntime:
             self._abort_workers()
             try:
                 self.transport.finish()
+                if self.order_transport is not None and error is None:
+                    self.order_transport.finish()
             except BaseException as exc:  # noqa: BLE001
                 error = error or exc
         if error is not None:
             # A failed step leaves the channels on this tag unusable (a receive may stay posted):
             # every rank fails the step, and every rank moves to a fresh tag for the next one.
             self.transport.abort()
+            if self.order_transport is not None:
+                self.order_transport.abort()
             self._tag += 1
             self.transport = self._new_transport()
+            self.order_transport = self._new_order_transport()
             raise error
         return self.results, self.backward_calls
 
     def _loop(self, leader: bool) -> None:
         """Runs what the C++ server hands out until the step is over on this rank."""
         while True:
-            item = self.server.next(self.timeout_s)
+            item = self._next_item()
             if item is None:
                 if leader:
                     for peer in range(self.num_stages):
@@ -308,6 +334,66 @@ class PipelineRuntime:
                 self._grant(worker)
             else:
                 self._gradients_arrived(self.workers[task.id], *message)
+
+    # ---- task order across the TP ranks of a stage ----------------------------------------------
+
+    @staticmethod
+    def _task_key(item) -> tuple[int, ...]:
+        """What identifies a task on every TP rank of a stage: the message kind, the peer stage,
+        the microbatch and the call id (ids of calls and workers are local, call ids are not:
+        each rank's calls are numbered in the order it makes them, which is the same on all)."""
+        task, message = item
+        if task.kind == _C.TaskKind.START_MICROBATCH:
+            return (0, -1, task.microbatch, -1)
+        peer, header, _ = message
+        return (int(header[0]), int(peer), int(header[1]), int(header[2]))
+
+    def _next_item(self):
+        """The server's next task, in the order TP rank 0 of this stage runs them."""
+        if self.order_transport is None:
+            return self.server.next(self.timeout_s)
+        if self.order_leader:
+            try:
+                item = self.server.next(self.timeout_s)
+            except BaseException:
+                self._tell_followers([_ORDER_ABORT])
+                raise
+            self._tell_followers([_ORDER_END] if item is None else list(self._task_key(item)))
+            return item
+        got = self.order_transport.recv(self.timeout_s)
+        if got is None:
+            raise TimeoutError(
+                f"smp: stage {self.stage}, TP rank {self.state.axis_rank('tp')}: TP rank 0 of the "
+                f"stage named no next task within timeout_s={self.timeout_s:g}"
+            )
+        wanted = tuple(got[1])
+        if wanted == (_ORDER_ABORT,):
+            raise RuntimeError(
+                f"smp: TP rank 0 of pipeline stage {self.stage} failed this step; see its error"
+            )
+        if wanted == (_ORDER_END,):
+            item = self.server.next(self.timeout_s)
+            if item is not None or self._stash:
+                raise RuntimeError(
+                    "smp: the TP ranks of a pipeline stage ran different tasks this step (does "
+                    "the model branch on data that differs between TP ranks?)"
+                )
+            return None
+        while wanted not in self._stash:
+            item = self.server.next(self.timeout_s)
+            if item is None:
+                raise RuntimeError(
+                    f"smp: TP rank 0 of stage {self.stage} ran task {wanted}, which this TP rank "
+                    "never received (does the model branch on data that differs between TP "
+                    "ranks?)"
+                )
+            self._stash[self._task_key(item)] = item
+        return self._stash.pop(wanted)
+
+    def _tell_followers(self, header: list[int]) -> None:
+        for peer in range(1, self.state.axis_size("tp")):
+            with contextlib.suppress(Exception) if header == [_ORDER_ABORT] else _no_op():
+                self.order_transport.send(peer, header, [])
 
     # ---- workers ---------------------------------------------------------------------------------
 

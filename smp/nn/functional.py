@@ -1,0 +1,227 @@
+"""Functional pieces of tensor parallelism: the region primitives, shard helpers, TP-aware dropout
+and the vocab-parallel cross-entropy.
+
+The six primitives are C++ autograd functions (``smp._C.tp``, see include/smp/pytorch/tp_comm.h);
+this module resolves the group (default: smp's tensor-parallel group) and adds what Python does
+better: bool tensors travel as uint8, and the shard/unshard arithmetic of parameters.
+
+    function              forward                      backward
+    copy_to_region        identity                     all-reduce SUM
+    reduce_from_region    all-reduce SUM               identity
+    scatter_to_region     keep own chunk along dim     all-gather along dim
+    gather_from_region    all-gather along dim         keep own chunk along dim
+    reduce_scatter        reduce-scatter SUM on dim    all-gather along dim
+    all_gather            all-gather along dim         reduce-scatter SUM on dim
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from smp import _C
+
+__all__ = [
+    "tp_group",
+    "copy_to_region",
+    "reduce_from_region",
+    "scatter_to_region",
+    "gather_from_region",
+    "reduce_scatter",
+    "all_gather",
+    "shard_tensor",
+    "unshard_tensor",
+    "tp_dropout",
+    "tp_rng",
+    "vocab_parallel_cross_entropy",
+]
+
+
+_local_only = 0
+
+
+@contextlib.contextmanager
+def local_only() -> Iterator[None]:
+    """Inside, every primitive acts as on a group of one rank: no communication, each rank
+    computes with its own shards and its own samples. Shapes stay consistent (each primitive and
+    its partner both become the identity). Used when one rank runs the model alone: the
+    partitioner's tracing pass on rank 0."""
+    global _local_only
+    _local_only += 1
+    try:
+        yield
+    finally:
+        _local_only -= 1
+
+
+def tp_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """``group``, or smp's tensor-parallel group when None (needs ``smp.init``)."""
+    if group is not None:
+        return group
+    from smp.state import get_state
+
+    return get_state().groups["tp"]
+
+
+def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Identity forward; all-reduce (SUM) of the gradient backward."""
+    if _local_only:
+        return x
+    return _C.tp.copy_to_region(x, tp_group(group))
+
+
+def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-reduce (SUM) forward; identity backward."""
+    if _local_only:
+        return x
+    return _C.tp.reduce_from_region(x, tp_group(group))
+
+
+def scatter_to_region(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """This rank's chunk along ``dim`` forward; all-gather of the gradient backward."""
+    if _local_only:
+        return x
+    return _C.tp.scatter_to_region(x, dim, tp_group(group))
+
+
+def gather_from_region(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """All-gather along ``dim`` forward; this rank's chunk of the gradient backward.
+
+    Works for any dtype: bool tensors are sent as uint8 (gloo has no bool)."""
+    if _local_only:
+        return x
+    if x.dtype == torch.bool:
+        return _C.tp.gather_from_region(x.to(torch.uint8), dim, tp_group(group)).bool()
+    return _C.tp.gather_from_region(x, dim, tp_group(group))
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None):
+    """Reduce-scatter (SUM) along ``dim`` forward; all-gather of the gradient backward."""
+    if _local_only:
+        return x
+    return _C.tp.reduce_scatter(x, dim, tp_group(group))
+
+
+def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None):
+    """All-gather along ``dim`` forward; reduce-scatter (SUM) of the gradient backward."""
+    if _local_only:
+        return x
+    return _C.tp.all_gather(x, dim, tp_group(group))
+
+
+# ---- parameter shards ---------------------------------------------------------------------------
+
+
+def shard_tensor(full: torch.Tensor, dim: int, fused: int, size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``full`` split ``size`` ways along ``dim``.
+
+    ``fused`` > 1 means ``full`` is ``fused`` equal blocks along ``dim`` (e.g. a fused QKV weight
+    is 3 blocks): each block is split on its own and the rank's pieces are concatenated, so the
+    shard holds rank's part of Q, then of K, then of V.
+    """
+    blocks = full.chunk(fused, dim) if fused > 1 else (full,)
+    return torch.cat([b.chunk(size, dim)[rank] for b in blocks], dim).contiguous()
+
+
+def unshard_tensor(shards: Sequence[torch.Tensor], dim: int, fused: int) -> torch.Tensor:
+    """Inverse of :func:`shard_tensor`: the full tensor from every rank's shard, in rank order."""
+    if fused == 1:
+        return torch.cat(list(shards), dim)
+    per_rank = [s.chunk(fused, dim) for s in shards]
+    return torch.cat([torch.cat([p[j] for p in per_rank], dim) for j in range(fused)], dim)
+
+
+# ---- randomness ---------------------------------------------------------------------------------
+
+
+def tp_rng(kind: str) -> torch.Generator:
+    """The TP-aware generator ``kind`` of this rank.
+
+    "replicated": the same stream on every rank of a TP group, for dropout on tensors every rank
+    holds whole (so the masks agree). "sharded": a different stream on every TP rank, for
+    tensors split across the group or holding different samples. Both derive from
+    ``tensor_parallel_seed``, the pipeline stage and the rdp rank, and restart at every
+    ``smp.init``, so runs are reproducible.
+    """
+    from smp.state import get_state, is_initialized
+
+    if not is_initialized():
+        raise RuntimeError("smp.nn dropout needs smp.init(...) first (it seeds the TP generators)")
+    state = get_state()
+    generators = getattr(state, "tp_generators", None)
+    if generators is None:
+        base = (
+            state.config.tensor_parallel_seed * 1_000_003
+            + state.axis_rank("pp") * 7919
+            + state.axis_rank("rdp") * 104_729
+        )
+        generators = state.tp_generators = {
+            "replicated": torch.Generator().manual_seed(base),
+            "sharded": torch.Generator().manual_seed(
+                base + 2718 + 31 * (state.axis_rank("tp") + 1)
+            ),
+        }
+    return generators[kind]
+
+
+def tp_dropout(x: torch.Tensor, p: float, training: bool, kind: str) -> torch.Tensor:
+    """Inverted dropout drawing its mask from the TP-aware generator ``kind``.
+
+    "replicated" must be used on tensors every TP rank holds whole (all draw the same mask);
+    "sharded" on tensors split across the group or holding different samples."""
+    if not training or p == 0.0:
+        return x
+    if p >= 1.0:
+        return torch.zeros_like(x)
+    keep = torch.empty(x.shape, dtype=x.dtype).bernoulli_(1.0 - p, generator=tp_rng(kind))
+    return x * keep.to(x.device) / (1.0 - p)
+
+
+# ---- vocab-parallel cross-entropy ---------------------------------------------------------------
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    group: dist.ProcessGroup | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Per-token cross-entropy of logits split over the vocabulary, never gathering them.
+
+    Args:
+        logits: [..., V/n], this rank's vocabulary slice (columns ``vocab_start`` onwards), every
+            rank holding the same tokens.
+        target: [...] global token ids; ``ignore_index`` tokens get a loss of 0.
+        vocab_start: the first vocabulary id of this rank's slice.
+
+    Returns:
+        [...] the loss of each token, equal to ``F.cross_entropy(full_logits, target,
+        reduction="none")``. Communication: one all-reduce MAX (no gradient), then two SUM
+        all-reduces of [...] (the softmax normaliser and the target logit).
+    """
+    group = tp_group(group)
+    local_vocab = logits.size(-1)
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    with torch.no_grad():
+        global_max = logits.max(dim=-1).values
+        if group.size() > 1 and not _local_only:
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - global_max.unsqueeze(-1)
+    sum_exp = reduce_from_region(shifted.exp().sum(dim=-1), group)
+    local_target = target - vocab_start
+    in_slice = (local_target >= 0) & (local_target < local_vocab)
+    index = torch.where(in_slice, local_target, torch.zeros_like(local_target))
+    picked = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce_from_region(
+        torch.where(in_slice, picked, torch.zeros_like(picked)), group
+    )
+    loss = torch.log(sum_exp) - target_logit
+    return torch.where(target == ignore_index, torch.zeros_like(loss), loss)

@@ -1,0 +1,592 @@
+"""Marking modules for tensor parallelism, the registry of distributed implementations, and the
+conversion ``smp.DistributedModel`` applies at wrap time (api.md §7, design.md §6).
+
+A module is *marked* when it is created inside ``smp.tensor_parallelism()`` (or
+``smp.model_creation(tensor_parallelism=True)``), or by ``smp.set_tensor_parallelism``. At wrap
+time, with ``tensor_parallel_degree > 1``, every marked module whose type is registered is
+replaced by its distributed version, its weights sharded in (pretrained weights survive), walking
+the model from the root: a replaced module's submodules are part of it. A marked module that
+cannot be distributed (sizes not divisible by the degree, parameters shared with modules outside
+it) stays as it is and a warning names it.
+
+Two kinds of registration:
+  - ``tp_register`` / ``tp_register_with_module`` (users): the distributed class is built from
+    the original constructor's arguments (recorded when the module is created inside
+    ``smp.tensor_parallelism()``, translated by ``init_hook``), then loads the original's state
+    dict, which must have the same keys (full shapes: the distributed module shards them).
+    ``forward_hook`` / ``return_hook`` translate the call and the result.
+  - built-in converters (torch.nn.Linear, Embedding, LayerNorm; Hugging Face GPT-2, BERT,
+    RoBERTa and Llama blocks): built from the module instance. The Hugging Face blocks keep their
+    own forward; their projections become column/row-parallel DistributedLinear shards (a
+    "sharding plan"), so every feature of the block (rotary embeddings, grouped-query attention,
+    its attention kernels) keeps working, and the state-dict keys stay the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from smp._creation import creation_hook
+from smp.nn import functional as tpf
+from smp.nn.modules import (
+    DistributedEmbedding,
+    DistributedLayerNorm,
+    DistributedLinear,
+    DistributedModule,
+    run_region,
+)
+
+__all__ = [
+    "tensor_parallelism",
+    "set_tensor_parallelism",
+    "model_creation",
+    "tp_register",
+    "tp_register_with_module",
+    "distribute_marked_modules",
+    "is_distributed_parameter",
+]
+
+logger = logging.getLogger("smp")
+
+_MARK = "_smp_tp"  # on a module: dict of tp kwargs (marked), False (explicitly not), absent
+_INIT_ARGS = "_smp_init_args"
+
+
+# ---- registry -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Registration:
+    dist_cls: type | None = None
+    init_hook: Callable | None = None
+    forward_hook: Callable | None = None
+    return_hook: Callable | None = None
+    # Built-ins: (module, tp_kwargs, group) -> distributed module, or raise _CannotDistribute.
+    convert: Callable[[nn.Module, dict, Any], nn.Module] | None = None
+
+
+_registry: dict[type, _Registration] = {}
+_lazy_registry: dict[str, Callable[[nn.Module, dict, Any], nn.Module]] = {}  # "module.Class"
+
+
+class _CannotDistribute(Exception):
+    """The module stays as it is; the message says why (it becomes the warning)."""
+
+
+def tp_register_with_module(
+    cls: type,
+    dist_cls: type,
+    init_hook: Callable | None = None,
+    forward_hook: Callable | None = None,
+    return_hook: Callable | None = None,
+) -> None:
+    """Registers ``dist_cls`` (a :class:`smp.nn.DistributedModule`) as the distributed version of
+    ``cls``.
+
+    Args:
+        init_hook: ``(*args, **kwargs) -> (args, kwargs)``: the constructor arguments of ``cls``
+            to those of ``dist_cls`` (default: the same).
+        forward_hook: ``(*args, **kwargs) -> (args, kwargs)``: the forward arguments of ``cls``
+            to those of ``dist_cls`` (default: the same).
+        return_hook: ``output -> output``: ``dist_cls``'s output to ``cls``'s (default: same).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"tp_register: {cls!r} is not an nn.Module class")
+    if not (isinstance(dist_cls, type) and issubclass(dist_cls, nn.Module)):
+        raise ValueError(
+            f"tp_register: the distributed module {dist_cls!r} is not an nn.Module class"
+        )
+    for name, hook in (
+        ("init_hook", init_hook),
+        ("forward_hook", forward_hook),
+        ("return_hook", return_hook),
+    ):
+        if hook is not None and not callable(hook):
+            raise ValueError(f"tp_register: {name} must be callable, got {hook!r}")
+    _registry[cls] = _Registration(dist_cls, init_hook, forward_hook, return_hook)
+
+
+def tp_register(
+    dist_cls: type,
+    init_hook: Callable | None = None,
+    forward_hook: Callable | None = None,
+    return_hook: Callable | None = None,
+) -> Callable[[type], type]:
+    """Class decorator form of :func:`tp_register_with_module`::
+
+    @smp.tp_register(MyDistributedBlock, init_hook=lambda cfg: ((), {"hidden": cfg.hidden}))
+    class MyBlock(nn.Module): ...
+    """
+
+    def decorate(cls: type) -> type:
+        tp_register_with_module(cls, dist_cls, init_hook, forward_hook, return_hook)
+        return cls
+
+    return decorate
+
+
+def _find_registration(module: nn.Module) -> _Registration | None:
+    for klass in type(module).__mro__:
+        if klass in _registry:
+            return _registry[klass]
+        convert = _lazy_registry.get(f"{klass.__module__}.{klass.__qualname__}")
+        if convert is not None:
+            return _Registration(convert=convert)
+    return None
+
+
+# ---- marking ------------------------------------------------------------------------------------
+
+_marking = threading.local()
+
+
+def _mark(module: nn.Module) -> None:
+    stack = getattr(_marking, "stack", None)
+    if stack:
+        object.__setattr__(module, _MARK, stack[-1])
+
+
+def _recording_init(original: Callable) -> Callable:
+    def init(self, *args, **kwargs):
+        if getattr(_marking, "stack", None) and not hasattr(self, _INIT_ARGS):
+            object.__setattr__(self, _INIT_ARGS, (args, dict(kwargs)))
+        original(self, *args, **kwargs)
+
+    init._smp_original = original  # type: ignore[attr-defined]
+    return init
+
+
+@contextlib.contextmanager
+def tensor_parallelism(enabled: bool = True, **tp_config: Any) -> Iterator[None]:
+    """Modules created inside are marked for tensor parallelism (``enabled=False`` unmarks, e.g.
+    to keep one submodule whole inside a marked model). ``tp_config`` keyword arguments reach the
+    distributed modules (e.g. ``optimize="memory"``).
+
+    Example:
+        with smp.tensor_parallelism():
+            model = MyTransformer(config)
+        model = smp.DistributedModel(model)
+    """
+    stack = getattr(_marking, "stack", None)
+    if stack is None:
+        stack = _marking.stack = []
+    stack.append(dict(tp_config) if enabled else False)
+    patched: list[type] = []
+    if len(stack) == 1:
+        for cls in [
+            c for c, r in _registry.items() if r.convert is None
+        ]:  # user registrations need the constructor's arguments
+            if cls.__init__ is not None and not hasattr(cls.__init__, "_smp_original"):
+                cls.__init__ = _recording_init(cls.__init__)
+                patched.append(cls)
+    try:
+        with creation_hook(_mark):
+            yield
+    finally:
+        stack.pop()
+        for cls in patched:
+            cls.__init__ = cls.__init__._smp_original
+
+
+def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **tp_config: Any) -> None:
+    """Marks (or, with ``enabled=False``, unmarks) an existing ``module`` and its submodules."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(
+            f"smp.set_tensor_parallelism takes an nn.Module, got {type(module).__name__}"
+        )
+    mark = dict(tp_config) if enabled else False
+    for sub in module.modules():
+        object.__setattr__(sub, _MARK, mark)
+
+
+@contextlib.contextmanager
+def model_creation(
+    tensor_parallelism: bool = False, dtype: torch.dtype | None = None, **tp_config: Any
+) -> Iterator[None]:
+    """Creates a model the way smp wants it: marked for tensor parallelism if asked, with
+    ``dtype`` as the default dtype. (Delayed parameter initialisation is not available yet.)"""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"smp.model_creation: dtype must be a torch.dtype, got {dtype!r}")
+    previous = torch.get_default_dtype()
+    with contextlib.ExitStack() as stack:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+            stack.callback(torch.set_default_dtype, previous)
+        if tensor_parallelism:
+            stack.enter_context(_tp_context(**tp_config))
+        yield
+
+
+_tp_context = tensor_parallelism  # model_creation's argument shadows the name
+
+
+# ---- conversion ---------------------------------------------------------------------------------
+
+
+def is_distributed_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` belongs to a distributed module (it carries its reduction class)."""
+    return hasattr(param, "_smp_tp_reduce")
+
+
+def distribute_marked_modules(root: nn.Module, group: Any) -> tuple[nn.Module, list[str]]:
+    """Replaces every marked, registered module of ``root`` by its distributed version.
+
+    Returns (the new root — itself replaced if it was marked —, the paths replaced). Emits one
+    warning per marked module that stays whole, naming it and why.
+    """
+    owners = _parameter_owners(root)
+    replaced: list[str] = []
+
+    def visit(module: nn.Module, path: str) -> nn.Module:
+        mark = getattr(module, _MARK, None)
+        if isinstance(mark, dict) and not _is_distributed(module):
+            registration = _find_registration(module)
+            if registration is not None:
+                try:
+                    _check_not_shared(module, path, owners)
+                    new = _convert(module, registration, dict(mark), group)
+                except _CannotDistribute as exc:
+                    warnings.warn(
+                        f"smp: module {path or '<root>'} ({type(module).__name__}) is marked for "
+                        f"tensor parallelism but stays whole: {exc}",
+                        stacklevel=3,
+                    )
+                else:
+                    replaced.append(path or "<root>")
+                    return new
+        for name, child in list(module.named_children()):
+            new_child = visit(child, f"{path}.{name}" if path else name)
+            if new_child is not child:
+                setattr(module, name, new_child)
+        return module
+
+    return visit(root, ""), replaced
+
+
+def _is_distributed(module: nn.Module) -> bool:
+    return isinstance(module, (DistributedModule, _ShardedBlock))
+
+
+def _parameter_owners(root: nn.Module) -> dict[int, set[str]]:
+    owners: dict[int, set[str]] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(path)
+    return owners
+
+
+def _check_not_shared(module: nn.Module, path: str, owners: dict[int, set[str]]) -> None:
+    prefix = f"{path}." if path else ""
+    for name, p in module.named_parameters():
+        outside = sorted(o for o in owners.get(id(p), ()) if o != path and not o.startswith(prefix))
+        if outside:
+            raise _CannotDistribute(
+                f"its parameter {name} is shared with {outside[0]} (tied weights), which would be "
+                "split differently; mark both or neither, or untie them"
+            )
+
+
+def _convert(module: nn.Module, reg: _Registration, tp_kwargs: dict, group: Any) -> nn.Module:
+    if reg.convert is not None:
+        new = reg.convert(module, tp_kwargs, group)
+    else:
+        recorded = getattr(module, _INIT_ARGS, None)
+        if recorded is None:
+            raise _CannotDistribute(
+                f"its constructor arguments are unknown; create it inside "
+                f"smp.tensor_parallelism() so they are recorded for {reg.dist_cls.__name__}"
+            )
+        args, kwargs = recorded
+        if reg.init_hook is not None:
+            args, kwargs = reg.init_hook(*args, **kwargs)
+        kwargs = {**tp_kwargs, **kwargs}
+        try:
+            new = reg.dist_cls(*args, **kwargs)
+        except ValueError as exc:  # e.g. sizes not divisible by the degree
+            raise _CannotDistribute(str(exc)) from exc
+        _load_full_state(new, module.state_dict(), type(module).__name__)
+        if reg.forward_hook is not None or reg.return_hook is not None:
+            new.__class__ = _hooked_class(type(new), reg.forward_hook, reg.return_hook)
+    new.train(module.training)
+    return new
+
+
+def _load_full_state(new: nn.Module, full: dict[str, torch.Tensor], what: str) -> None:
+    local: dict[str, torch.Tensor] = {}
+    params = dict(new.named_parameters())
+    for key, value in full.items():
+        split = getattr(params.get(key), "_smp_tp_split", None)
+        local[key] = (
+            value
+            if split is None
+            else tpf.shard_tensor(value, split[0], split[1], _size(new), _rank(new))
+        )
+    missing, unexpected = new.load_state_dict(local, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"smp: the distributed version {type(new).__name__} of {what} must have the same "
+            f"state-dict keys (with full shapes) to take its weights; missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    with torch.no_grad():  # tag what the distributed class left untagged: replicated in region
+        for p in new.parameters():
+            if not hasattr(p, "_smp_tp_reduce"):
+                p._smp_tp_split, p._smp_tp_reduce = None, "rdp"
+
+
+def _size(module: nn.Module) -> int:
+    return getattr(module, "tp_size", 1)
+
+
+def _rank(module: nn.Module) -> int:
+    return getattr(module, "tp_rank", 0)
+
+
+_hooked_classes: dict[tuple, type] = {}
+
+
+def _hooked_class(cls: type, forward_hook, return_hook) -> type:
+    key = (cls, forward_hook, return_hook)
+    if key not in _hooked_classes:
+
+        def forward(self, *args, **kwargs):
+            if forward_hook is not None:
+                args, kwargs = forward_hook(*args, **kwargs)
+            out = cls.forward(self, *args, **kwargs)
+            return return_hook(out) if return_hook is not None else out
+
+        _hooked_classes[key] = type(cls.__name__, (cls,), {"forward": forward})
+    return _hooked_classes[key]
+
+
+# ---- built-in converters: torch.nn ---------------------------------------------------------------
+
+
+def _divisible_or_skip(fn: Callable[[], nn.Module]) -> nn.Module:
+    try:
+        return fn()
+    except ValueError as exc:
+        raise _CannotDistribute(str(exc)) from exc
+
+
+def _convert_linear(module: nn.Linear, tp: dict, group: Any) -> nn.Module:
+    new = _divisible_or_skip(
+        lambda: DistributedLinear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            split="row",
+            group=group,
+            dtype=module.weight.dtype,
+            device=module.weight.device,
+        )
+    )
+    _load_full_state(new, module.state_dict(), "nn.Linear")
+    return new
+
+
+def _convert_embedding(module: nn.Embedding, tp: dict, group: Any) -> nn.Module:
+    if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+        raise _CannotDistribute("max_norm, sparse and scale_grad_by_freq are not supported")
+    return _divisible_or_skip(
+        lambda: DistributedEmbedding(
+            module.num_embeddings,
+            module.embedding_dim,
+            padding_idx=module.padding_idx,
+            group=group,
+            full_weight=module.weight.detach().clone(),
+        )
+    )
+
+
+def _convert_layernorm(module: nn.LayerNorm, tp: dict, group: Any) -> nn.Module:
+    if len(module.normalized_shape) != 1:
+        raise _CannotDistribute("only LayerNorm over the last dimension is supported")
+    new = _divisible_or_skip(
+        lambda: DistributedLayerNorm(
+            module.normalized_shape[0],
+            eps=module.eps,
+            elementwise_affine=module.elementwise_affine,
+            bias=module.bias is not None,
+            group=group,
+            dtype=module.weight.dtype if module.weight is not None else None,
+        )
+    )
+    _load_full_state(new, module.state_dict(), "nn.LayerNorm")
+    return new
+
+
+_registry_builtin = {
+    nn.Linear: _convert_linear,
+    nn.Embedding: _convert_embedding,
+    nn.LayerNorm: _convert_layernorm,
+}
+for _cls, _fn in _registry_builtin.items():
+    _registry[_cls] = _Registration(convert=_fn)
+
+
+# ---- built-in converters: Hugging Face blocks (sharding plans) ----------------------------------
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Which projections of a block are column- or row-parallel, and the attributes to divide.
+
+    ``column``/``row``: submodule paths (nn.Linear, or transformers' Conv1D with its [in, out]
+    weight). ``fused``: path -> number of equal output blocks (GPT-2's fused QKV = 3).
+    ``divide``: (submodule path, attribute) whose value becomes value / degree (head counts,
+    split sizes). ``heads``: (submodule path, attribute) that must divide by the degree.
+    """
+
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+    fused: dict[str, int] = dataclasses.field(default_factory=dict)
+    divide: tuple[tuple[str, str], ...] = ()
+    heads: tuple[tuple[str, str], ...] = ()
+
+
+class _ShardedBlock:
+    """Mixin of a Hugging Face block whose projections were sharded: its forward is a TP region
+    (batch semantics as any distributed module) run with the TP-aware replicated RNG, so dropout
+    after the row-parallel projections draws the same mask on every rank of the group."""
+
+    tp_group: Any
+    tp_size: int
+    tp_rank: int
+    _smp_atomic = True  # never split across pipeline stages (see DistributedModule)
+
+    def forward(self, *args, **kwargs):
+        base = super().forward  # type: ignore[misc]
+        if not self.training:
+            return run_region(self, base, args, kwargs)
+        generator = tpf.tp_rng("replicated")
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(generator.get_state())
+            try:
+                return run_region(self, base, args, kwargs)
+            finally:
+                generator.set_state(torch.get_rng_state())
+
+
+_sharded_classes: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _sharded_classes:
+        _sharded_classes[cls] = type(f"TP{cls.__name__}", (_ShardedBlock, cls), {})
+    return _sharded_classes[cls]
+
+
+def _linear_dims(module: nn.Module) -> tuple[int, int, bool]:
+    """(in, out, transposed) of an nn.Linear or a transformers Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    if type(module).__name__ == "Conv1D" and module.weight.dim() == 2:
+        return module.weight.size(0), module.weight.size(1), True
+    raise _CannotDistribute(f"{type(module).__name__} is not a linear projection")
+
+
+def _apply_plan(block: nn.Module, plan: _Plan, group: Any) -> nn.Module:
+    n = group.size()
+    for path, attr in plan.heads:
+        value = block
+        for part in (*path.split("."), attr):
+            value = getattr(value, part)
+        if value % n:
+            raise _CannotDistribute(
+                f"{path}.{attr} = {value} is not divisible by the tensor-parallel degree {n}"
+            )
+    replacements: dict[str, nn.Module] = {}
+    for path in (*plan.column, *plan.row):
+        old = block.get_submodule(path)
+        in_f, out_f, transposed = _linear_dims(old)
+        column = path in plan.column
+        try:
+            new = DistributedLinear(
+                in_f,
+                out_f,
+                bias=old.bias is not None,
+                split="column" if column else "row",
+                gather_output=False,
+                input_is_parallel=True,
+                fused=plan.fused.get(path, 1),
+                transposed=transposed,
+                group=group,
+                dtype=old.weight.dtype,
+                device=old.weight.device,
+            )
+        except ValueError as exc:
+            raise _CannotDistribute(str(exc)) from exc
+        _load_full_state(new, old.state_dict(), type(old).__name__)
+        replacements[path] = new
+    for path, new in replacements.items():
+        parent_path, _, name = path.rpartition(".")
+        setattr(block.get_submodule(parent_path) if parent_path else block, name, new)
+    for path, attr in plan.divide:
+        sub = block.get_submodule(path)
+        setattr(sub, attr, getattr(sub, attr) // n)
+    for p in block.parameters():  # norms, row biases: replicated inside the region
+        if not hasattr(p, "_smp_tp_reduce"):
+            p._smp_tp_split, p._smp_tp_reduce = None, "rdp"
+    block.__class__ = _sharded_class(type(block))
+    block.tp_group, block.tp_size, block.tp_rank = group, n, group.rank()
+    return block
+
+
+def _plan_converter(plan: _Plan) -> Callable[[nn.Module, dict, Any], nn.Module]:
+    def convert(block: nn.Module, tp: dict, group: Any) -> nn.Module:
+        return _apply_plan(block, plan, group)
+
+    return convert
+
+
+_GPT2 = _Plan(
+    column=("attn.c_attn", "mlp.c_fc"),
+    row=("attn.c_proj", "mlp.c_proj"),
+    fused={"attn.c_attn": 3},
+    divide=(("attn", "split_size"), ("attn", "num_heads")),
+    heads=(("attn", "num_heads"),),
+)
+_BERT = _Plan(
+    column=(
+        "attention.self.query",
+        "attention.self.key",
+        "attention.self.value",
+        "intermediate.dense",
+    ),
+    row=("attention.output.dense", "output.dense"),
+    divide=(("attention.self", "num_attention_heads"), ("attention.self", "all_head_size")),
+    heads=(("attention.self", "num_attention_heads"),),
+)
+_LLAMA = _Plan(
+    column=(
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    ),
+    row=("self_attn.o_proj", "mlp.down_proj"),
+    heads=(
+        ("self_attn.config", "num_attention_heads"),
+        ("self_attn.config", "num_key_value_heads"),
+    ),
+)
+
+_lazy_registry.update(
+    {
+        "transformers.models.gpt2.modeling_gpt2.GPT2Block": _plan_converter(_GPT2),
+        "transformers.models.bert.modeling_bert.BertLayer": _plan_converter(_BERT),
+        "transformers.models.roberta.modeling_roberta.RobertaLayer": _plan_converter(_BERT),
+        "transformers.models.llama.modeling_llama.LlamaDecoderLayer": _plan_converter(_LLAMA),
+    }
+)
