@@ -1,6 +1,6 @@
 # smp — the two set-up commands are `make demo` and `make test`; both set up everything they need.
 #
-#   make demo    .venv + torch + build, then the demo training job on 2 CPU processes
+#   make demo    .venv + torch + build, then the demo training job on 4 CPU processes (pp 2 x tp 2)
 #   make test    .venv + torch + build, then every test: C++ (ctest, with and without torch),
 #                the core-include check, and the Python suites
 #   make lint    ruff, clang-format (dry run) and the core-include check
@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 JOBS ?= $(shell nproc)
-NPROC_DEMO ?= 2
+NPROC_DEMO ?= 4
 
 .PHONY: demo test build core test-cpp test-python check-core lint sysdeps venv clean
 

@@ -27,6 +27,7 @@ from smp.tensor_parallel import (
     set_tensor_parallelism,
     tensor_parallelism,
     tp_register,
+    tp_register_plan,
     tp_register_with_module,
 )
 
@@ -52,6 +53,7 @@ __all__ = [
     "model_creation",
     "tp_register",
     "tp_register_with_module",
+    "tp_register_plan",
     "nn",
     *comm.__all__,
 ]

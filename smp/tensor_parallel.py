@@ -51,6 +51,7 @@ __all__ = [
     "model_creation",
     "tp_register",
     "tp_register_with_module",
+    "tp_register_plan",
     "distribute_marked_modules",
     "is_distributed_parameter",
 ]
@@ -499,7 +500,7 @@ def _apply_plan(block: nn.Module, plan: _Plan, group: Any) -> nn.Module:
     n = group.size()
     for path, attr in plan.heads:
         value = block
-        for part in (*path.split("."), attr):
+        for part in (*filter(None, path.split(".")), attr):
             value = getattr(value, part)
         if value % n:
             raise _CannotDistribute(
@@ -547,6 +548,48 @@ def _plan_converter(plan: _Plan) -> Callable[[nn.Module, dict, Any], nn.Module]:
         return _apply_plan(block, plan, group)
 
     return convert
+
+
+def tp_register_plan(
+    cls: type,
+    column: tuple[str, ...] | list[str],
+    row: tuple[str, ...] | list[str],
+    fused: dict[str, int] | None = None,
+    divide: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (),
+    heads: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (),
+) -> None:
+    """Registers a *sharding plan* for blocks of class ``cls``: the block keeps its own forward;
+    its projections become tensor-parallel shards, and its forward becomes one TP region.
+
+    Args:
+        column: paths of nn.Linear (or transformers Conv1D) submodules split along their output
+            features (Q, K, V, MLP-in): their outputs stay split.
+        row: paths split along their input features (attention-out, MLP-out): their partial
+            outputs are summed (one all-reduce each) before the bias.
+        fused: path -> number of equal output blocks split one by one (a fused QKV is 3).
+        divide: (submodule path, attribute) pairs divided by the degree, for forwards that
+            reshape with per-layer head counts (prefer ``view(B, T, -1, head_dim)``).
+        heads: (dotted path, attribute) of head counts that must divide by the degree.
+
+    Each column projection's consumers must use only its rank-local features until a row
+    projection (attention heads and MLP activations are local), as in Megatron-LM.
+
+    Example (a GPT block whose attention reshapes with -1 heads):
+        smp.tp_register_plan(Block, column=["attn.c_attn", "mlp.c_fc"],
+                             row=["attn.c_proj", "mlp.c_proj"], fused={"attn.c_attn": 3})
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"tp_register_plan: {cls!r} is not an nn.Module class")
+    column, row = tuple(column), tuple(row)
+    overlap = set(column) & set(row)
+    if overlap:
+        raise ValueError(f"tp_register_plan: {sorted(overlap)} listed as both column and row")
+    fused = dict(fused or {})
+    for path in fused:
+        if path not in column:
+            raise ValueError(f"tp_register_plan: fused path {path!r} must be a column path")
+    plan = _Plan(column, row, fused, tuple(map(tuple, divide)), tuple(map(tuple, heads)))
+    _registry[cls] = _Registration(convert=_plan_converter(plan))
 
 
 _GPT2 = _Plan(

@@ -52,19 +52,20 @@ class CausalSelfAttention(nn.Module):
         )
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        B, T, C = x_BTC.shape
-        H = self.n_head
-        D = C // H
-        q_BTC, k_BTC, v_BTC = self.c_attn(x_BTC).split(self.n_embd, dim=2)
-        q_BHTD = q_BTC.view(B, T, H, D).transpose(1, 2)
-        k_BHSD = k_BTC.view(B, T, H, D).transpose(1, 2)
-        v_BHSD = v_BTC.view(B, T, H, D).transpose(1, 2)
+        B, T, _ = x_BTC.shape
+        D = self.n_embd // self.n_head
+        # Heads as -1 and q, k, v as thirds: the same code runs when tensor parallelism gives
+        # this rank a slice of the heads (see train.py).
+        q_BTC, k_BTC, v_BTC = self.c_attn(x_BTC).chunk(3, dim=2)
+        q_BHTD = q_BTC.view(B, T, -1, D).transpose(1, 2)
+        k_BHSD = k_BTC.view(B, T, -1, D).transpose(1, 2)
+        v_BHSD = v_BTC.view(B, T, -1, D).transpose(1, 2)
 
         scores_BHTS = (q_BHTD @ k_BHSD.transpose(-2, -1)) * (1.0 / math.sqrt(D))
         scores_BHTS = scores_BHTS.masked_fill(~self.mask_TS[:, :, :T, :T], float("-inf"))
         att_BHTS = self.attn_dropout(F.softmax(scores_BHTS, dim=-1))
         y_BHTD = att_BHTS @ v_BHSD
-        y_BTC = y_BHTD.transpose(1, 2).contiguous().view(B, T, C)
+        y_BTC = y_BHTD.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y_BTC))
 
 

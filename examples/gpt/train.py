@@ -1,17 +1,18 @@
 """Train a small byte-level GPT with smp: the project's demo training job.
 
-Launch (two processes: the model split over 2 pipeline stages by smp's partitioner; with 4
-processes, 2 stages x 2 data-parallel replicas; --pp picks the number of stages):
+Launch (four processes: the model split over 2 pipeline stages by smp's partitioner, and each
+transformer block split over 2 tensor-parallel ranks; --pp and --tp pick the degrees, the
+remaining processes are data parallel):
 
-    torchrun --nproc_per_node 2 examples/gpt/train.py
+    torchrun --nproc_per_node 4 examples/gpt/train.py
 
 or single-process (smp.init runs world size 1 without the torchrun environment):
 
     python examples/gpt/train.py
 
-Rank 0 prints the partition report after the first step, progress (a redrawn bar on a terminal,
-a line every --log-every steps otherwise), the validation loss at the start and the end, and one
-summary line. The job exits non-zero if the training loss did not fall.
+Rank 0 prints which blocks were split, the partition report after the first step, progress (a
+redrawn bar on a terminal, a line every --log-every steps otherwise), the validation loss at the
+start and the end, and one summary line. The job exits non-zero if the training loss did not fall.
 
 Shape suffix legend: B batch, T sequence length, V vocabulary (256 bytes), N bytes in a split.
 """
@@ -35,7 +36,7 @@ except ImportError:  # running from a source checkout without installing smp
     import smp
 
 sys.path.insert(0, str(HERE))
-from model import GPT, GPTConfig, lm_loss  # noqa: E402
+from model import GPT, Block, GPTConfig, lm_loss  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="pipeline_parallel_degree: stages the model is split over, the remaining processes "
         "are data parallel (default: 2 when the number of processes is even, else 1)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor_parallel_degree: ranks each transformer block is split over (default: 2 "
+        "when the number of processes is a multiple of 4, else 1)",
     )
     p.add_argument(
         "--eval-every",
@@ -121,10 +129,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     # smp configuration in one place: pipeline_parallel_degree / tensor_parallel_degree go here.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp is None:
+        args.tp = 2 if world % 4 == 0 else 1
     if args.pp is None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        args.pp = 2 if world % 2 == 0 else 1
-    smp_config = {"microbatches": args.microbatches, "pipeline_parallel_degree": args.pp}
+        args.pp = 2 if (world // args.tp) % 2 == 0 else 1
+    smp_config = {
+        "microbatches": args.microbatches,
+        "pipeline_parallel_degree": args.pp,
+        "tensor_parallel_degree": args.tp,
+    }
     smp.init(smp_config)
     is_main = smp.rank() == 0
     if args.batch_size % args.microbatches != 0:
@@ -145,6 +159,18 @@ def main(argv=None) -> int:
     )
     net = GPT(cfg)
     n_params = net.num_parameters()
+    # Tensor parallelism: a sharding plan for the block class (its own forward keeps running; Q,
+    # K, V and MLP-in become column shards, the two output projections row shards), and every
+    # block marked. smp.DistributedModel splits them and shards the weights in.
+    smp.tp_register_plan(
+        Block,
+        column=["attn.c_attn", "mlp.c_fc"],
+        row=["attn.c_proj", "mlp.c_proj"],
+        fused={"attn.c_attn": 3},
+        heads=[("attn", "n_head")],
+    )
+    for block in net.h:
+        smp.set_tensor_parallelism(block)
     model = smp.DistributedModel(net)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
 
@@ -155,6 +181,12 @@ def main(argv=None) -> int:
             f"{len(train_N)} train / {len(val_N)} val bytes from {args.data.name}",
             flush=True,
         )
+        if model.distributed_modules:
+            print(
+                f"tensor parallel: {', '.join(model.distributed_modules)} split over "
+                f"{tp} ranks each",
+                flush=True,
+            )
 
     # One fixed validation batch per dp rank, so evaluations are comparable.
     val_x_BT, val_y_BT = sample_batch(
@@ -213,7 +245,8 @@ def main(argv=None) -> int:
     if is_main:
         print(
             f"done: {args.steps} steps, {tok_s:.0f} tokens/s, final loss {loss_val:.2f} "
-            f"(first {first_loss:.2f}), world size {smp.size()} (dp={dp}, pp={pp}, tp={tp}), "
+            f"(first {first_loss:.2f}), world size {smp.size()} = pp {pp} x tp {tp} x "
+            f"{smp.rdp_size()} data-parallel, "
             f"microbatches {args.microbatches}",
             flush=True,
         )
