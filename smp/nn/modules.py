@@ -588,12 +588,11 @@ class DistributedAttentionLayer(DistributedModule):
 
         q, k, v = heads(self.query.local(y)), heads(self.key.local(y)), heads(self.value.local(y))
         p = self.attention_dropout_prob if self.training else 0.0
-        if p == 0.0:
+        if p == 0.0 and mask is None:
+            ctx = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        elif p == 0.0:
             ctx = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=_full_mask(mask, self.causal, s, q.dtype, q.device),
+                q, k, v, attn_mask=_full_mask(mask, self.causal, s, q.dtype, q.device)
             )
         else:
             scores = q @ k.transpose(-1, -2) / math.sqrt(d)

@@ -189,6 +189,19 @@ def _hf_model(kind: str):
             use_cache=False,
         )
         return transformers.GPT2LMHeadModel(config), "transformer.h"
+    if kind in ("bert", "roberta"):
+        cls = transformers.BertConfig if kind == "bert" else transformers.RobertaConfig
+        config = cls(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=SEQ + 2, num_labels=3,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        model_cls = (
+            transformers.BertForSequenceClassification
+            if kind == "bert"
+            else transformers.RobertaForSequenceClassification
+        )
+        return model_cls(config), f"{kind}.encoder.layer"
     config = transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=32,
@@ -219,7 +232,12 @@ def _hf_worker(kind, tp, microbatches, pp=1):
     assert type(first).__name__.startswith("TP"), type(first)
 
     def loss_of(m, ids, labels):
-        # Labels are already shifted; -100 on nothing. HF shifts again, so pass ids as labels.
+        if kind in ("bert", "roberta"):
+            # Padding in every other sample: the attention mask travels with the batch.
+            mask = torch.ones_like(ids)
+            mask[1::2, -3:] = 0
+            return m(input_ids=ids, attention_mask=mask, labels=labels[:, 0] % 3).loss
+        # Causal LMs shift the labels themselves: pass the inputs.
         return m(input_ids=ids, labels=ids).loss
 
     losses = _run_parity(smp, model, reference, loss_of, 64, TOL32, microbatches, False)
@@ -227,7 +245,7 @@ def _hf_worker(kind, tp, microbatches, pp=1):
     return {"losses": losses, "block_stages": stages}
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "roberta"])
 def test_hugging_face_parity(pools, kind):
     pytest.importorskip("transformers")
     results = pools.run(2, _hf_worker, kind, 2, 1)
