@@ -23,6 +23,8 @@ __all__ = ["State", "init", "shutdown", "is_initialized", "get_state"]
 
 logger = logging.getLogger("smp")
 
+_OUTCOME_MARGIN = datetime.timedelta(seconds=30)
+
 # Group names in creation order; the topology's axes plus the whole world.
 _AXES = {
     "pp": _C.Axis.PP,
@@ -225,6 +227,11 @@ def _build_groups(state: State, timeout: datetime.timedelta) -> None:
     world = list(range(state.world_size))
     state.groups["world"] = dist.new_group(world, timeout=timeout)
     state.group_ranks["world"] = world
+    # The step's outcome agreement waits longer than any collective inside the step: a rank that
+    # failed early must still be there when a peer, stuck in a tensor-parallel collective with
+    # it, times out and arrives to learn why.
+    state.groups["outcome"] = dist.new_group(world, timeout=2 * timeout + _OUTCOME_MARGIN)
+    state.group_ranks["outcome"] = world
     for name, axis in _AXES.items():
         for ranks in state.topology.groups(axis):
             group = dist.new_group(ranks, timeout=timeout)

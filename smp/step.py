@@ -306,6 +306,27 @@ def step(
     return wrap if func is None else wrap(func)
 
 
+_ECHOES = (
+    "timed out",
+    "timeouterror",
+    "no message within",
+    "connection closed",
+    "connection reset",
+    "gloo",
+    "nccl",
+    "aborted",
+    "transporterror",
+    "remotestageerror",
+    "tp rank 0 of pipeline stage",
+)
+
+
+def _is_echo(summary: str) -> bool:
+    """Whether an error only reflects a failure elsewhere (a communication error)."""
+    text = summary.lower()
+    return any(word in text for word in _ECHOES)
+
+
 def _agree_on_outcome(
     state: State,
     error: _MicrobatchError | None,
@@ -315,7 +336,7 @@ def _agree_on_outcome(
 ) -> None:
     """One small collective over the world: did every rank succeed, with the same backward calls,
     and which parameters got gradients anywhere. A rank's failure is raised on every rank."""
-    world = state.groups["world"]
+    world = state.groups["outcome"]
     grad_flags = [flag for m in models for flag in m._grad_presence()]
     header = [1 if error else 0, len(backward_counts), *backward_counts]
     local = torch.tensor(header + grad_flags, dtype=torch.int64)
@@ -329,14 +350,18 @@ def _agree_on_outcome(
     if failed_ranks:
         errors: list[Any] = [None] * state.world_size
         dist.all_gather_object(errors, error, group=world)
-        first = errors[failed_ranks[0]]
+        # The cause, not its echoes: ranks that only saw a peer fail (a collective timed out or
+        # lost its peer) are named after a rank whose own code failed.
+        causes = [r for r in failed_ranks if not _is_echo(errors[r].summary)]
+        first = errors[(causes or failed_ranks)[0]]
         where = f"rank {first.rank}" + (
             f", microbatch {first.microbatch}" if first.microbatch is not None else ""
         )
-        if original is not None:
+        if original is not None and (not causes or state.rank in causes):
             raise original
+        here = f"; on this rank: {error.summary}" if error is not None else ""
         raise StepFailedError(
-            f"smp.step failed on {where} (failed ranks: {failed_ranks}): {first.summary}\n"
+            f"smp.step failed on {where} (failed ranks: {failed_ranks}): {first.summary}{here}\n"
             f"--- traceback on rank {first.rank} ---\n{first.formatted}"
         )
 

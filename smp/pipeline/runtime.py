@@ -283,6 +283,8 @@ class PipelineRuntime:
         except BaseException as exc:  # noqa: BLE001
             error = exc
             self._broadcast_error(exc)
+            if self.order_transport is not None and self.order_leader:
+                self._tell_followers([_ORDER_ABORT])  # they wait for this rank's next task
         finally:
             self._abort_workers()
             try:
@@ -353,11 +355,7 @@ class PipelineRuntime:
         if self.order_transport is None:
             return self.server.next(self.timeout_s)
         if self.order_leader:
-            try:
-                item = self.server.next(self.timeout_s)
-            except BaseException:
-                self._tell_followers([_ORDER_ABORT])
-                raise
+            item = self.server.next(self.timeout_s)
             self._tell_followers([_ORDER_END] if item is None else list(self._task_key(item)))
             return item
         got = self.order_transport.recv(self.timeout_s)

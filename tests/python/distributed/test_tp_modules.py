@@ -277,3 +277,46 @@ def test_tp_dropout_is_reproducible_and_consistent(pools):
     assert [r["losses"] for r in first] == [r["losses"] for r in second]
     assert first[0]["losses"] != other[0]["losses"]
     assert all(r["replicated_equal"] for r in first)
+
+
+# ---- failures ------------------------------------------------------------------------------------
+
+
+def _failing_tp_rank_worker() -> tuple[str, str, float]:
+    import time
+
+    import smp
+
+    smp.init({"tensor_parallel_degree": 2, "timeout_s": 8})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(Tagger())  # not marked: the model itself is replicated
+    layer = smp.nn.DistributedLinear(16, 8, split="column")  # ...but this layer is split
+
+    @smp.step
+    def train_step(model, ids):
+        if smp.tp_rank() == 1:
+            raise KeyError("boom on TP rank 1")
+        hidden = model.module.embed(ids)
+        loss = layer(hidden).square().mean()  # TP rank 0 waits in a collective
+        model.backward(loss)
+        return loss
+
+    start = time.monotonic()
+    try:
+        train_step(model, torch.randint(0, 32, (2, 4)))
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+def test_failure_on_one_tp_rank_reaches_every_rank(pools):
+    """TP rank 0 waits in a collective that rank 1 never joins: it fails after timeout_s, and
+    then learns the cause at the step's outcome agreement, which waits longer than that."""
+    (kind0, message0, seconds0), (kind1, message1, _) = pools.run(
+        2, _failing_tp_rank_worker, timeout_s=120
+    )
+    assert kind1 == "KeyError" and "boom on TP rank 1" in message1, (kind1, message1)
+    assert kind0 == "StepFailedError", (kind0, message0)
+    assert "smp.step failed on rank 1" in message0 and "boom on TP rank 1" in message0, message0
+    assert "on this rank:" in message0, message0
+    assert seconds0 < 60, seconds0

@@ -271,3 +271,46 @@ def test_hugging_face_pp2_tp2_dp2(pools):
     pytest.importorskip("transformers")
     results = pools.run(8, _hf_worker, "gpt2", 2, 2, 2)
     assert all(r == results[0] for r in results)
+
+
+def _pp_tp_failure_worker(bad_tp_rank: int):
+    import time
+
+    import smp
+
+    smp.init(
+        {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2,
+         "timeout_s": 8}
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model, blocks = _hf_model("gpt2")
+    for block in model.get_submodule(blocks):
+        smp.set_tensor_parallelism(block)
+    model = smp.DistributedModel(model)
+    armed = [False]
+
+    @smp.step
+    def train_step(model, ids):
+        if armed[0] and smp.tp_rank() == bad_tp_rank and smp.microbatch() == 1:
+            raise KeyError(f"boom on TP rank {bad_tp_rank}")
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    ids, _ = batches(64, 4, 0)
+    train_step(model, ids)  # partitions the model; a good step
+    armed[0] = True
+    start = time.monotonic()
+    try:
+        train_step(model, ids)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)[:2000], time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("bad_tp_rank", [0, 1])
+def test_pp_tp_failure_reaches_every_rank(pools, bad_tp_rank):
+    pytest.importorskip("transformers")
+    for kind, message, seconds in pools.run(4, _pp_tp_failure_worker, bad_tp_rank, timeout_s=150):
+        assert f"boom on TP rank {bad_tp_rank}" in message, (kind, message)
+        assert seconds < 60, seconds
