@@ -30,6 +30,7 @@ from smp.tensor_parallel import (
     tp_register_plan,
     tp_register_with_module,
 )
+from smp.timeline import Timeline, last_step_timeline
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,8 @@ __all__ = [
     "StepOutput",
     "StepFailedError",
     "microbatch",
+    "last_step_timeline",
+    "Timeline",
     "tensor_parallelism",
     "set_tensor_parallelism",
     "model_creation",

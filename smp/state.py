@@ -73,6 +73,7 @@ class State:
         self.group_ranks: dict[str, list[int]] = {}
         # Called by shutdown() before the groups go (e.g. pipeline transports).
         self.closers: list = []
+        self.runtimes: list = []  # pipeline runtimes of this job's models (timelines)
         # Step bookkeeping, set by smp.step while a step function runs.
         self.in_step = False
         self.microbatch: int | None = None

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -146,6 +147,35 @@ def _remote_class(cls: type) -> type:
     return _remote_classes[cls]
 
 
+class _Recorder:
+    """What this rank ran in a step: (type, microbatch, start, end) spans, wall-clock seconds.
+
+    ``begin`` while a span is open closes the open span's current segment and resumes it at the
+    matching ``end`` (a microbatch's backward called from its forward splits that forward in
+    two), so recorded spans never overlap. Only one thread runs at a time (the baton), so no lock.
+    """
+
+    def __init__(self):
+        self.offset = time.time() - time.perf_counter()
+        self.spans: list[tuple[str, int, float, float]] = []
+        self.stack: list[list] = []
+
+    def begin(self, kind: str, microbatch: int) -> None:
+        now = time.perf_counter() + self.offset
+        if self.stack:
+            top = self.stack[-1]
+            if now > top[2]:
+                self.spans.append((top[0], top[1], top[2], now))
+        self.stack.append([kind, microbatch, now])
+
+    def end(self) -> None:
+        now = time.perf_counter() + self.offset
+        kind, microbatch, start = self.stack.pop()
+        self.spans.append((kind, microbatch, start, now))
+        if self.stack:
+            self.stack[-1][2] = now
+
+
 class PipelineRuntime:
     """Runs steps of a partitioned model; one per DistributedModel with pp > 1."""
 
@@ -172,6 +202,7 @@ class PipelineRuntime:
         self.grad_enabled = True
         self._install_stubs()
         state.closers.append(self.close)
+        state.runtimes.append(self)
 
     def close(self) -> None:
         """Releases the transport and everything that keeps it (and so its process group) alive;
@@ -258,6 +289,7 @@ class PipelineRuntime:
         cfg = self.state.config
         leader = self.stage == 0
         self.grad_enabled = torch.is_grad_enabled()
+        self.recorder = _Recorder()
         self._call_ids = itertools.count()  # the same sequence on every TP rank of the stage
         self._stash = {}
         self.transport.start()
@@ -403,8 +435,10 @@ class PipelineRuntime:
     def _grant(self, worker: _Worker) -> None:
         self.state.microbatch = worker.microbatch
         self.state.in_step = True
+        self.recorder.begin("F", worker.microbatch)
         worker.go.release()
         self._back.acquire()
+        self.recorder.end()
         self.state.microbatch = None
         if worker.error is not None:
             self.failed_microbatch = worker.microbatch
@@ -516,10 +550,21 @@ class PipelineRuntime:
         self.policy.on_forward_done(worker.microbatch)
         self.backward_calls += 1
         worker.next_interval = len(worker.starts) - 1
-        self._continue_backward(worker, roots, grads)
+        self.recorder.begin("B", worker.microbatch)
+        try:
+            self._continue_backward(worker, roots, grads)
+        finally:
+            self.recorder.end()
 
     def _run_backward(self, worker: _Worker) -> None:
         """A BACKWARD task: GRAD_OUT reached a served call, or GRAD_IN returned to a caller."""
+        self.recorder.begin("B", worker.microbatch)
+        try:
+            self._run_backward_task(worker)
+        finally:
+            self.recorder.end()
+
+    def _run_backward_task(self, worker: _Worker) -> None:
         if worker.served is not None and worker.next_interval == -1:
             present, grads = worker.out_grads
             worker.out_grads = None

@@ -1,0 +1,158 @@
+"""What the pipeline did: the actions each rank ran in the last step, with their times.
+
+``smp.last_step_timeline()`` gathers every rank's record of its last pipelined step (a collective:
+every rank must call it). Each record is a list of :class:`TimedAction` in the schedule IR's
+string form ``<stage><type><microbatch>`` (``1F3``: stage 1 ran forward work of microbatch 3;
+``0B2``: backward work of microbatch 2), with wall-clock start and end times. The dynamic runtime
+splits a microbatch's work on a stage wherever it waited for another stage, so one (stage,
+microbatch, type) may appear as several pieces; :meth:`Timeline.program` merges consecutive
+pieces. Recording costs two clock reads per task.
+
+    timeline = smp.last_step_timeline()
+    if smp.rank() == 0:
+        timeline.save_chrome_trace("step.json")   # open in ui.perfetto.dev or chrome://tracing
+        timeline.plot("step.png")                 # needs matplotlib
+        print(timeline.summary())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["TimedAction", "Timeline", "last_step_timeline"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedAction:
+    """One piece of work: ``action`` in IR string form, wall-clock ``start``/``end`` seconds."""
+
+    action: str
+    start: float
+    end: float
+
+
+class Timeline:
+    """The last step's actions per rank (``ranks``: rank -> list of TimedAction, in order)."""
+
+    def __init__(self, ranks: dict[int, list[TimedAction]]):
+        self.ranks = ranks
+
+    @property
+    def start(self) -> float:
+        return min((a.start for acts in self.ranks.values() for a in acts), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((a.end for acts in self.ranks.values() for a in acts), default=0.0)
+
+    def program(self) -> dict[int, list[str]]:
+        """Per rank, the action strings in the order they ran, consecutive pieces merged."""
+        out: dict[int, list[str]] = {}
+        for rank, actions in self.ranks.items():
+            merged: list[str] = []
+            for a in actions:
+                if not merged or merged[-1] != a.action:
+                    merged.append(a.action)
+            out[rank] = merged
+        return out
+
+    def busy_fraction(self, rank: int) -> float:
+        """Time ``rank`` spent in recorded work over the step's span."""
+        span = self.end - self.start
+        busy = sum(a.end - a.start for a in self.ranks[rank])
+        return busy / span if span > 0 else 0.0
+
+    def summary(self) -> str:
+        lines = [f"step span {1e3 * (self.end - self.start):.1f} ms"]
+        for rank in sorted(self.ranks):
+            acts = self.ranks[rank]
+            lines.append(
+                f"  rank {rank}: {len(acts)} pieces, busy {100 * self.busy_fraction(rank):.1f}%"
+            )
+        return "\n".join(lines)
+
+    def save_chrome_trace(self, path: str | Path) -> None:
+        """Writes Trace Event JSON (one row per rank) for Perfetto or chrome://tracing."""
+        t0 = self.start
+        events: list[dict[str, Any]] = []
+        for rank, actions in sorted(self.ranks.items()):
+            events.append(
+                {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
+            )
+            for a in actions:
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": a.action,
+                        "cat": "backward" if "B" in a.action else "forward",
+                        "pid": rank,
+                        "tid": 0,
+                        "ts": (a.start - t0) * 1e6,
+                        "dur": (a.end - a.start) * 1e6,
+                    }
+                )
+        Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+    def plot(self, path: str | Path) -> None:
+        """Writes a PNG: one row per rank, forward pieces blue, backward orange, labelled."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as exc:
+            raise ImportError(
+                "Timeline.plot needs matplotlib (pip install matplotlib); "
+                "save_chrome_trace() needs nothing"
+            ) from exc
+        t0 = self.start
+        ranks = sorted(self.ranks)
+        fig, ax = plt.subplots(figsize=(12, 0.6 + 0.5 * len(ranks)))
+        for row, rank in enumerate(ranks):
+            for a in self.ranks[rank]:
+                color = "tab:orange" if "B" in a.action else "tab:blue"
+                width = (a.end - a.start) * 1e3
+                ax.barh(row, width, left=(a.start - t0) * 1e3, color=color, edgecolor="white")
+                if width > 0.04 * (self.end - t0) * 1e3:
+                    ax.text((a.start - t0) * 1e3 + width / 2, row, a.action, ha="center",
+                            va="center", fontsize=7, color="white")  # fmt: skip
+        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+        ax.invert_yaxis()
+        ax.set_xlabel("ms")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def last_step_timeline() -> Timeline:
+    """The actions every rank ran in its last pipelined step. A collective over all ranks.
+
+    Raises:
+        RuntimeError: no pipelined step has run yet (pipeline_parallel_degree = 1 records
+            nothing: there is no pipeline to show).
+    """
+    from smp.state import get_state
+
+    state = get_state()
+    mine: list[tuple[str, float, float]] | None = None
+    latest = float("-inf")
+    for runtime in state.runtimes:  # the model that stepped last, if there are several
+        recorder = getattr(runtime, "recorder", None)
+        if recorder is not None and recorder.spans and recorder.spans[-1][3] > latest:
+            latest = recorder.spans[-1][3]
+            mine = [(f"{runtime.stage}{k}{mb}", start, end) for k, mb, start, end in recorder.spans]
+    records: list[Any] = [None] * state.world_size
+    dist.all_gather_object(records, mine, group=state.groups["world"])
+    if any(r is None for r in records):
+        raise RuntimeError(
+            "smp.last_step_timeline(): no pipelined step has run on rank "
+            f"{records.index(None)}; it records steps with pipeline_parallel_degree > 1"
+        )
+    return Timeline(
+        {rank: [TimedAction(*a) for a in record] for rank, record in enumerate(records)}
+    )

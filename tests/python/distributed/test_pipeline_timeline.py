@@ -1,0 +1,59 @@
+"""smp.last_step_timeline(): what each pipeline rank ran in the last step, as IR actions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from models import build_model, loss_fn, make_batch
+
+
+def _timeline_worker(tmp: str, schedule: str) -> dict:
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": schedule})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(build_model("gpt"))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = loss_fn("gpt", model(x), y)
+        model.backward(loss)
+        return loss
+
+    x, y = make_batch("gpt", 8, 0)
+    with pytest.raises(RuntimeError, match="no pipelined step has run"):
+        smp.last_step_timeline()
+    for _ in range(2):
+        train_step(model, x, y)
+    timeline = smp.last_step_timeline()
+    path = f"{tmp}/trace{smp.rank()}.json"
+    timeline.save_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    return {
+        "program": timeline.program(),
+        "spans": {r: [(a.start, a.end) for a in acts] for r, acts in timeline.ranks.items()},
+        "events": len([e for e in trace["traceEvents"] if e["ph"] == "X"]),
+        "pieces": sum(len(a) for a in timeline.ranks.values()),
+        "summary": timeline.summary(),
+    }
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "simple"])
+def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, schedule):
+    results = pools.run(2, _timeline_worker, str(tmp_path), schedule)
+    r = results[0]
+    assert results[1]["program"] == r["program"]  # every rank gets the same timeline
+    for rank, program in r["program"].items():
+        for mb in range(4):
+            assert f"{rank}F{mb}" in program and f"{rank}B{mb}" in program, (rank, program)
+        assert all(a[1] in "FB" and int(a[0]) == rank for a in program), program
+        # No two pieces of one rank overlap, and each backward follows its forward.
+        spans = r["spans"][rank]
+        assert all(s <= e for s, e in spans)
+        assert all(e1 <= s2 + 1e-6 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+        for mb in range(4):
+            assert program.index(f"{rank}F{mb}") < program.index(f"{rank}B{mb}")
+    assert r["events"] == r["pieces"]
