@@ -89,6 +89,107 @@ class tp:
         x: torch.Tensor, dim: int, group: torch.distributed.ProcessGroup
     ) -> torch.Tensor: ...
 
+class schedule:
+    """smp._C.schedule: the pipeline schedule IR (smp/schedule.h).
+
+    A submodule at runtime (an attribute of smp._C, not importable as ``smp._C.schedule``);
+    stubbed as a class. A schedule is one program per rank; a program is a list of Action or None
+    (an idle step). Invalid input raises ValueError.
+    """
+
+    class Action:
+        """``type`` of ``stage`` for ``microbatch``; ``str()`` is torch's form, e.g. ``1F0``."""
+
+        def __init__(self, stage: int, type: str, microbatch: int) -> None: ...
+        @property
+        def stage(self) -> int: ...
+        @property
+        def type(self) -> str: ...
+        @property
+        def microbatch(self) -> int: ...
+        @property
+        def is_compute(self) -> bool: ...
+        @staticmethod
+        def parse(text: str) -> schedule.Action: ...
+        def __hash__(self) -> int: ...
+
+    class ActionCosts:
+        forward: float
+        full_backward: float
+        backward_input: float
+        backward_weight: float
+        send: float
+        recv: float
+        latency: float
+        def __init__(
+            self,
+            *,
+            forward: float = 1.0,
+            full_backward: float = 2.0,
+            backward_input: float = 1.0,
+            backward_weight: float = 1.0,
+            send: float = 0.0,
+            recv: float = 0.0,
+            latency: float = 0.0,
+        ) -> None: ...
+
+    class Timeline:
+        @property
+        def makespan(self) -> float: ...
+        @property
+        def bubble_fraction(self) -> float: ...
+        @property
+        def peak_in_flight(self) -> list[int]: ...
+        @property
+        def actions(self) -> list[tuple[int, str, float, float]]: ...
+
+    @staticmethod
+    def parse_action(text: str) -> schedule.Action: ...
+    @staticmethod
+    def round_robin_stage_to_rank(num_stages: int, num_ranks: int) -> list[int]: ...
+    @staticmethod
+    def gpipe(num_stages: int, num_microbatches: int) -> list[list[schedule.Action | None]]: ...
+    @staticmethod
+    def one_f_one_b(
+        num_stages: int, num_microbatches: int
+    ) -> list[list[schedule.Action | None]]: ...
+    @staticmethod
+    def interleaved_1f1b(
+        num_ranks: int, virtual_stages_per_rank: int, num_microbatches: int
+    ) -> list[list[schedule.Action | None]]: ...
+    @staticmethod
+    def zero_bubble_h1(
+        num_stages: int, num_microbatches: int
+    ) -> list[list[schedule.Action | None]]: ...
+    @staticmethod
+    def add_communication(
+        schedule: list[list[schedule.Action | None]],
+        stage_to_rank: list[int],
+        costs: schedule.ActionCosts = ...,
+    ) -> list[list[schedule.Action | None]]: ...
+    @staticmethod
+    def validate_schedule(
+        schedule: list[list[schedule.Action | None]],
+        num_stages: int,
+        num_microbatches: int,
+        stage_to_rank: list[int],
+    ) -> None: ...
+    @staticmethod
+    def format_grid(
+        schedule: list[list[schedule.Action | None]],
+        marked: list[tuple[int, int]] = ...,
+    ) -> str: ...
+    @staticmethod
+    def to_csv(schedule: list[list[schedule.Action | None]]) -> str: ...
+    @staticmethod
+    def from_csv(text: str) -> list[list[schedule.Action | None]]: ...
+    @staticmethod
+    def simulate(
+        schedule: list[list[schedule.Action | None]],
+        costs: schedule.ActionCosts = ...,
+        rendezvous: bool = False,
+    ) -> schedule.Timeline: ...
+
 class CountingGroup:
     """Counts the ops issued through ``.group``: {op kind: (calls, input bytes)}."""
 

@@ -13,4 +13,5 @@ PYBIND11_MODULE(_C, m) {
   smp::python::init_transport_bindings(m);
   smp::python::init_policy_bindings(m);
   smp::python::init_tp_bindings(m);
+  smp::python::init_schedule_bindings(m);
 }

@@ -11,5 +11,6 @@ void init_comm_bindings(pybind11::module_& m);
 void init_transport_bindings(pybind11::module_& m);
 void init_policy_bindings(pybind11::module_& m);
 void init_tp_bindings(pybind11::module_& m);
+void init_schedule_bindings(pybind11::module_& m);
 
 }  // namespace smp::python
