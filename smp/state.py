@@ -8,6 +8,7 @@ other part of smp reaches it through :func:`get_state`, which fails with a clear
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -261,6 +262,13 @@ def shutdown() -> None:
     state.closers.clear()
     if not dist.is_initialized():
         return
+    # Destroy together: a rank tearing its gloo groups down while a peer is still inside a
+    # collective on them (or still connected) aborted the process at exit ("terminate called
+    # without an active exception"). Bounded, so a peer that died cannot hold up the exit.
+    if state.world_size > 1:
+        with contextlib.suppress(Exception):
+            work = dist.barrier(group=state.groups["world"], async_op=True)
+            work.wait(datetime.timedelta(seconds=min(30.0, state.config.timeout_s)))
     if state.owns_default_group:
         dist.destroy_process_group()
         return
