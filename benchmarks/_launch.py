@@ -1,8 +1,8 @@
-"""Shared by the benchmark scripts: run a function on N local gloo processes.
+"""Shared by the benchmark scripts: run a function on N local gloo processes, and time steps.
 
 ``run_ranks(fn, world, *args)`` spawns ``world`` processes, each of which joins a gloo world on a
 free local port with one CPU thread and calls ``fn(rank, *args)``; whatever rank 0's call returns
-comes back to the caller.
+comes back to the caller. ``timed(step, batches, warmup)`` times a training loop on every rank.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,3 +42,16 @@ def run_ranks(fn: Callable, world: int, *args: Any) -> Any:
         _entry, args=(world, port, fn, args, out), nprocs=world, start_method="spawn"
     )
     return out.get(timeout=10)
+
+
+def timed(step: Callable, batches: list, warmup: int) -> float:
+    """Seconds for ``step(*batch)`` over ``batches[warmup:]``, after the warm-up batches, between
+    two barriers (so the slowest rank decides)."""
+    for batch in batches[:warmup]:
+        step(*batch)
+    dist.barrier()
+    start = time.perf_counter()
+    for batch in batches[warmup:]:
+        step(*batch)
+    dist.barrier()
+    return time.perf_counter() - start

@@ -12,17 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "gpt"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _launch import run_ranks  # noqa: E402
+from _launch import run_ranks, timed  # noqa: E402
 
 
 def _model(seed: int):
@@ -36,17 +34,6 @@ def _batches(steps: int, batch: int, rank: int):
     g = torch.Generator().manual_seed(1000 + rank)
     tokens = torch.randint(0, 256, (steps, batch, 65), generator=g)
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-
-
-def _timed(run_step, batches, warmup: int) -> float:
-    for x, y in batches[:warmup]:
-        run_step(x, y)
-    dist.barrier()
-    start = time.perf_counter()
-    for x, y in batches[warmup:]:
-        run_step(x, y)
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def _worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict | None:
@@ -83,8 +70,8 @@ def _worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict 
     # Alternate the two, best of `rounds` each, so drift in machine load hits both alike.
     smp_seconds = ddp_seconds = float("inf")
     for _ in range(rounds):
-        smp_seconds = min(smp_seconds, _timed(smp_step, batches, warmup))
-        ddp_seconds = min(ddp_seconds, _timed(ddp_step, batches, warmup))
+        smp_seconds = min(smp_seconds, timed(smp_step, batches, warmup))
+        ddp_seconds = min(ddp_seconds, timed(ddp_step, batches, warmup))
     smp.shutdown()
     samples = steps * batch * world
     return {"smp_samples_per_s": samples / smp_seconds, "ddp_samples_per_s": samples / ddp_seconds}

@@ -24,14 +24,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "gpt"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _launch import run_ranks  # noqa: E402
+from _launch import run_ranks, timed  # noqa: E402
 
 MICRO, SEQ, M, P = 4, 128, 8, 2
 BATCH = MICRO * M
@@ -96,17 +95,6 @@ def _boundary(rank: int, steps: int) -> int:
     return first_on_1
 
 
-def _timed(step, data, warmup: int) -> float:
-    for x, y in data[:warmup]:
-        step(x, y)
-    dist.barrier()
-    start = time.perf_counter()
-    for x, y in data[warmup:]:
-        step(x, y)
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def _worker(rank: int, steps: int, rounds: int, trace: str | None) -> dict:
     from model import lm_loss
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -149,8 +137,8 @@ def _worker(rank: int, steps: int, rounds: int, trace: str | None) -> dict:
 
     smp_s = torch_s = float("inf")
     for _ in range(rounds):
-        smp_s = min(smp_s, _timed(smp_step, data, warmup))
-        torch_s = min(torch_s, _timed(torch_step, data, warmup))
+        smp_s = min(smp_s, timed(smp_step, data, warmup))
+        torch_s = min(torch_s, timed(torch_step, data, warmup))
     smp_step(*data[0])
     timeline = smp.last_step_timeline()
     if rank == 0 and trace:

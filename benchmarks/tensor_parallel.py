@@ -24,18 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _launch import run_ranks  # noqa: E402
+from _launch import run_ranks, timed  # noqa: E402
 
 SIZES = dict(layers=4, heads=8, hidden=512, intermediate=2048, vocab=8192, seq=128)
 
@@ -194,17 +192,6 @@ def _bytes_per_layer(optimize: str, batch: int, world: int) -> dict:
     return totals[2] - totals[1]
 
 
-def _timed(step, batches, warmup: int) -> float:
-    for ids, labels in batches[:warmup]:
-        step(ids, labels)
-    dist.barrier()
-    start = time.perf_counter()
-    for ids, labels in batches[warmup:]:
-        step(ids, labels)
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def _worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict:
     import smp
 
@@ -238,8 +225,8 @@ def _worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict:
             label = f"smp {optimize:6s} " + ("(same batch)" if prescaled else "(own samples)")
             seconds = float("inf")
             for _ in range(rounds):
-                seconds = min(seconds, _timed(step, shared if prescaled else own, warmup))
-                torch_seconds = min(torch_seconds, _timed(torch_step, shared, warmup))
+                seconds = min(seconds, timed(step, shared if prescaled else own, warmup))
+                torch_seconds = min(torch_seconds, timed(torch_step, shared, warmup))
             variants[label] = seconds
             smp.shutdown()
     variants["torch TP (same batch on both ranks)"] = torch_seconds

@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from models import parity_adamw
-from test_tp_parity import full_grads
+from test_tp_parity import LM, full_grads
 from torch import nn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -229,21 +229,8 @@ def _dropout_worker(seed: int) -> dict:
 
     smp.init({"tensor_parallel_degree": 2, "tensor_parallel_seed": seed})
     torch.manual_seed(0)
-    model = smp.DistributedModel(
-        DistributedTransformerLMHead(
-            num_layers=2,
-            num_attention_heads=4,
-            attention_head_size=8,
-            hidden_size=32,
-            intermediate_size=64,
-            vocab_size=64,
-            num_positions=8,
-            causal_mask_size=8,
-            attention_dropout_prob=0.2,
-            hidden_dropout_prob=0.2,
-            embedding_dropout_prob=0.2,
-        )
-    )
+    dropout = dict(attention_dropout_prob=0.2, hidden_dropout_prob=0.2, embedding_dropout_prob=0.2)
+    model = smp.DistributedModel(DistributedTransformerLMHead(**{**LM, **dropout}))
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
     @smp.step
