@@ -25,6 +25,7 @@ __all__ = ["State", "init", "shutdown", "is_initialized", "get_state"]
 logger = logging.getLogger("smp")
 
 _OUTCOME_MARGIN = datetime.timedelta(seconds=30)
+_generation = 0  # smp.init calls in this process: names each shutdown's meeting in the store
 
 # Group names in creation order; the topology's axes plus the whole world.
 _AXES = {
@@ -153,7 +154,7 @@ def init(config: dict[str, Any] | None = None) -> None:
         ValueError: a bad key, value or degree — raised before any process group is created.
         RuntimeError: the launcher's environment is incomplete.
     """
-    global _state, _atexit_registered
+    global _state, _atexit_registered, _generation
     build_config(config)  # types and ranges first: nothing below runs on a bad config
 
     if dist.is_initialized():
@@ -202,6 +203,8 @@ def init(config: dict[str, Any] | None = None) -> None:
         )
 
     state = State(cfg, topology, rank, local_rank, local_size, backend, owns_default_group)
+    _generation += 1
+    state.generation = _generation
     _build_groups(state, timeout)
     _state = state
     if not _atexit_registered:
@@ -250,6 +253,16 @@ def _build_groups(state: State, timeout: datetime.timedelta) -> None:
                 state.group_ranks["tp_order"] = list(ranks)
 
 
+def _meet_in_store(state: State, timeout_s: float) -> None:
+    """Waits, at most ``timeout_s``, until every rank has reached this point (best effort)."""
+    with contextlib.suppress(Exception):
+        store = dist.distributed_c10d._get_default_store()
+        key = f"smp/shutdown/{state.generation}"
+        if store.add(key, 1) == state.world_size:
+            store.set(f"{key}/all", "1")
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
+
+
 def shutdown() -> None:
     """Destroys smp's process groups (and the default group if smp created it). Idempotent."""
     global _state
@@ -264,11 +277,11 @@ def shutdown() -> None:
         return
     # Destroy together: a rank tearing its gloo groups down while a peer is still inside a
     # collective on them (or still connected) aborted the process at exit ("terminate called
-    # without an active exception"). Bounded, so a peer that died cannot hold up the exit.
+    # without an active exception"). The meeting goes through the rendezvous store, not a
+    # collective: a collective that timed out (a peer died) stays queued on the group's worker
+    # thread, and destroying the group then joins that thread forever.
     if state.world_size > 1:
-        with contextlib.suppress(Exception):
-            work = dist.barrier(group=state.groups["world"], async_op=True)
-            work.wait(datetime.timedelta(seconds=min(30.0, state.config.timeout_s)))
+        _meet_in_store(state, min(30.0, state.config.timeout_s))
     if state.owns_default_group:
         dist.destroy_process_group()
         return
