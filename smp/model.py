@@ -270,24 +270,22 @@ class DistributedModel(nn.Module):
         split = self._split_params()
         if not split:
             return full
-        from smp.nn.functional import shard_tensor
+        from smp.nn.functional import shard_state
 
         state = get_state()
         n, r = state.axis_size("tp"), state.axis_rank("tp")
-        out = dict(full)
         for key, value in full.items():
             param = split.get(key)
             if param is None:
                 continue
-            dim, fused = param._smp_tp_split
+            dim = param._smp_tp_split[0]
             if value.dim() <= dim or value.size(dim) != param.size(dim) * n:
                 raise ValueError(
                     f"load_state_dict: {key} has shape {tuple(value.shape)}; expected the full "
                     f"shape, {param.size(dim) * n} along dim {dim} (this rank holds "
                     f"{tuple(param.shape)} of it, tensor_parallel_degree {n})"
                 )
-            out[key] = shard_tensor(value, dim, fused, n, r)
-        return out
+        return shard_state(full, split, n, r)
 
     @property
     def partition_plan(self):

@@ -310,10 +310,7 @@ def _convert(module: nn.Module, reg: _Registration, tp_kwargs: dict, group: Any)
         if reg.init_hook is not None:
             args, kwargs = reg.init_hook(*args, **kwargs)
         kwargs = {**tp_kwargs, **kwargs}
-        try:
-            new = reg.dist_cls(*args, **kwargs)
-        except ValueError as exc:  # e.g. sizes not divisible by the degree
-            raise _CannotDistribute(str(exc)) from exc
+        new = _divisible_or_skip(reg.dist_cls, *args, **kwargs)
         _load_full_state(new, module.state_dict(), type(module).__name__)
         if reg.forward_hook is not None or reg.return_hook is not None:
             new.__class__ = _hooked_class(type(new), reg.forward_hook, reg.return_hook)
@@ -322,15 +319,7 @@ def _convert(module: nn.Module, reg: _Registration, tp_kwargs: dict, group: Any)
 
 
 def _load_full_state(new: nn.Module, full: dict[str, torch.Tensor], what: str) -> None:
-    local: dict[str, torch.Tensor] = {}
-    params = dict(new.named_parameters())
-    for key, value in full.items():
-        split = getattr(params.get(key), "_smp_tp_split", None)
-        local[key] = (
-            value
-            if split is None
-            else tpf.shard_tensor(value, split[0], split[1], _size(new), _rank(new))
-        )
+    local = tpf.shard_state(full, dict(new.named_parameters()), _size(new), _rank(new))
     missing, unexpected = new.load_state_dict(local, strict=False)
     if missing or unexpected:
         raise ValueError(
@@ -372,24 +361,25 @@ def _hooked_class(cls: type, forward_hook, return_hook) -> type:
 # ---- built-in converters: torch.nn ---------------------------------------------------------------
 
 
-def _divisible_or_skip(fn: Callable[[], nn.Module]) -> nn.Module:
+def _divisible_or_skip(factory: Callable[..., nn.Module], *args, **kwargs) -> nn.Module:
+    """``factory(*args, **kwargs)``; a ValueError from it (e.g. sizes not divisible by the degree)
+    means the module stays whole, with the error as the warning's reason."""
     try:
-        return fn()
+        return factory(*args, **kwargs)
     except ValueError as exc:
         raise _CannotDistribute(str(exc)) from exc
 
 
 def _convert_linear(module: nn.Linear, tp: dict, group: Any) -> nn.Module:
     new = _divisible_or_skip(
-        lambda: DistributedLinear(
-            module.in_features,
-            module.out_features,
-            bias=module.bias is not None,
-            split="row",
-            group=group,
-            dtype=module.weight.dtype,
-            device=module.weight.device,
-        )
+        DistributedLinear,
+        module.in_features,
+        module.out_features,
+        bias=module.bias is not None,
+        split="row",
+        group=group,
+        dtype=module.weight.dtype,
+        device=module.weight.device,
     )
     _load_full_state(new, module.state_dict(), "nn.Linear")
     return new
@@ -399,13 +389,12 @@ def _convert_embedding(module: nn.Embedding, tp: dict, group: Any) -> nn.Module:
     if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
         raise _CannotDistribute("max_norm, sparse and scale_grad_by_freq are not supported")
     return _divisible_or_skip(
-        lambda: DistributedEmbedding(
-            module.num_embeddings,
-            module.embedding_dim,
-            padding_idx=module.padding_idx,
-            group=group,
-            full_weight=module.weight.detach().clone(),
-        )
+        DistributedEmbedding,
+        module.num_embeddings,
+        module.embedding_dim,
+        padding_idx=module.padding_idx,
+        group=group,
+        full_weight=module.weight.detach().clone(),
     )
 
 
@@ -413,14 +402,13 @@ def _convert_layernorm(module: nn.LayerNorm, tp: dict, group: Any) -> nn.Module:
     if len(module.normalized_shape) != 1:
         raise _CannotDistribute("only LayerNorm over the last dimension is supported")
     new = _divisible_or_skip(
-        lambda: DistributedLayerNorm(
-            module.normalized_shape[0],
-            eps=module.eps,
-            elementwise_affine=module.elementwise_affine,
-            bias=module.bias is not None,
-            group=group,
-            dtype=module.weight.dtype if module.weight is not None else None,
-        )
+        DistributedLayerNorm,
+        module.normalized_shape[0],
+        eps=module.eps,
+        elementwise_affine=module.elementwise_affine,
+        bias=module.bias is not None,
+        group=group,
+        dtype=module.weight.dtype if module.weight is not None else None,
     )
     _load_full_state(new, module.state_dict(), "nn.LayerNorm")
     return new
@@ -511,22 +499,20 @@ def _apply_plan(block: nn.Module, plan: _Plan, group: Any) -> nn.Module:
         old = block.get_submodule(path)
         in_f, out_f, transposed = _linear_dims(old)
         column = path in plan.column
-        try:
-            new = DistributedLinear(
-                in_f,
-                out_f,
-                bias=old.bias is not None,
-                split="column" if column else "row",
-                gather_output=False,
-                input_is_parallel=True,
-                fused=plan.fused.get(path, 1),
-                transposed=transposed,
-                group=group,
-                dtype=old.weight.dtype,
-                device=old.weight.device,
-            )
-        except ValueError as exc:
-            raise _CannotDistribute(str(exc)) from exc
+        new = _divisible_or_skip(
+            DistributedLinear,
+            in_f,
+            out_f,
+            bias=old.bias is not None,
+            split="column" if column else "row",
+            gather_output=False,
+            input_is_parallel=True,
+            fused=plan.fused.get(path, 1),
+            transposed=transposed,
+            group=group,
+            dtype=old.weight.dtype,
+            device=old.weight.device,
+        )
         _load_full_state(new, old.state_dict(), type(old).__name__)
         replacements[path] = new
     for path, new in replacements.items():

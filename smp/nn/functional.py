@@ -34,6 +34,7 @@ __all__ = [
     "all_gather",
     "shard_tensor",
     "unshard_tensor",
+    "shard_state",
     "tp_dropout",
     "tp_rng",
     "vocab_parallel_cross_entropy",
@@ -136,6 +137,19 @@ def unshard_tensor(shards: Sequence[torch.Tensor], dim: int, fused: int) -> torc
         return torch.cat(list(shards), dim)
     per_rank = [s.chunk(fused, dim) for s in shards]
     return torch.cat([torch.cat([p[j] for p in per_rank], dim) for j in range(fused)], dim)
+
+
+def shard_state(
+    full: dict[str, torch.Tensor], params: dict[str, torch.Tensor], size: int, rank: int
+) -> dict[str, torch.Tensor]:
+    """A full-shape state dict with each entry whose parameter in ``params`` (same keys) is split
+    (``_smp_tp_split``) replaced by rank ``rank``'s shard; other entries are kept as they are."""
+    out = dict(full)
+    for key, value in full.items():
+        split = getattr(params.get(key), "_smp_tp_split", None)
+        if split is not None:
+            out[key] = shard_tensor(value, split[0], split[1], size, rank)
+    return out
 
 
 # ---- randomness ---------------------------------------------------------------------------------

@@ -210,21 +210,6 @@ class DistributedModule(nn.Module):
         param._smp_tp_reduce = reduce
         return param
 
-    # -- full-shape state --
-
-    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's local state from a full-shape state dict with this module's keys."""
-        local: dict[str, torch.Tensor] = {}
-        own = dict(self.named_parameters())
-        for key, value in full.items():
-            param = own.get(key)
-            split = getattr(param, "_smp_tp_split", None) if param is not None else None
-            if split is None:
-                local[key] = value
-            else:
-                local[key] = tpf.shard_tensor(value, split[0], split[1], self.tp_size, self.tp_rank)
-        return local
-
 
 def _tag(module: nn.Module, reduce: str) -> None:
     """Marks the (replicated) parameters of a plain submodule with their reduction class."""

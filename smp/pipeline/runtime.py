@@ -35,7 +35,6 @@ __all__ = ["PipelineRuntime"]
 
 REQUEST, REPLY, GRAD_OUT, GRAD_IN, ERROR, STEP_END = range(1, 7)
 _ORDER_END, _ORDER_ABORT = -1, -2  # TP task order: the step is over / TP rank 0 failed
-_no_op = contextlib.nullcontext
 _TAG = 0x5E7
 
 
@@ -422,7 +421,11 @@ class PipelineRuntime:
 
     def _tell_followers(self, header: list[int]) -> None:
         for peer in range(1, self.state.axis_size("tp")):
-            with contextlib.suppress(Exception) if header == [_ORDER_ABORT] else _no_op():
+            if header != [_ORDER_ABORT]:
+                self.order_transport.send(peer, header, [])
+                continue
+            # Best effort: this rank is failing already, and a follower may be gone.
+            with contextlib.suppress(Exception):
                 self.order_transport.send(peer, header, [])
 
     # ---- workers ---------------------------------------------------------------------------------
