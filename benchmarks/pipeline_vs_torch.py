@@ -1,10 +1,11 @@
-"""Pipeline throughput: smp's dynamic module server against torch.distributed.pipelining.
+"""Pipeline throughput: smp's module server against torch.distributed.pipelining.
 
 The demo GPT (8 layers, n_embd 384, untied output head so the model is a straight chain) at
 p = 2 with 8 microbatches of 4 sequences x 128 tokens, 2 gloo processes with one thread each:
 
   - smp: ``pipeline_parallel_degree=2``, ``microbatches=8``, "interleaved" (1F1B-like) policy;
-    the partitioner places the modules;
+    the partitioner places the modules; once with asynchronous cross-stage calls (the default)
+    and once with ``pipeline_async_calls=False`` (every call waits for its reply);
   - torch: ``torch.distributed.pipelining`` with ``Schedule1F1B``, the model cut by hand at the
     boundary smp's partitioner chose, so both run the same stages;
   - ideal: ``m / (m + p - 1)`` of perfect scaling, computed from the measured forward + backward
@@ -105,20 +106,25 @@ def _worker(rank: int, steps: int, rounds: int, trace: str | None) -> dict:
     data = _data(steps + warmup)
     cut = _boundary(rank, steps)
 
-    smp.init({"pipeline_parallel_degree": P, "microbatches": M})
-    model = smp.DistributedModel(_gpt())
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    def smp_runner(async_calls: bool):
+        smp.init(
+            {"pipeline_parallel_degree": P, "microbatches": M, "pipeline_async_calls": async_calls}
+        )
+        model = smp.DistributedModel(_gpt())
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = lm_loss(model(x), y)
-        model.backward(loss)
-        return loss
+        @smp.step
+        def train_step(model, x, y):
+            loss = lm_loss(model(x), y)
+            model.backward(loss)
+            return loss
 
-    def smp_step(x, y):
-        opt.zero_grad()
-        train_step(model, x, y)
-        opt.step()
+        def smp_step(x, y):
+            opt.zero_grad()
+            train_step(model, x, y)
+            opt.step()
+
+        return smp_step
 
     gpt = _gpt()
     stage_module = _Stage(gpt, 0 if rank == 0 else cut, cut if rank == 0 else 8, rank == 0,
@@ -135,16 +141,26 @@ def _worker(rank: int, steps: int, rounds: int, trace: str | None) -> dict:
             schedule.step(target=y, losses=[])
         torch_opt.step()
 
-    smp_s = torch_s = float("inf")
+    smp_s = sync_s = torch_s = float("inf")
     for _ in range(rounds):
-        smp_s = min(smp_s, timed(smp_step, data, warmup))
+        step = smp_runner(async_calls=False)
+        sync_s = min(sync_s, timed(step, data, warmup))
+        smp.shutdown()
+        step = smp_runner(async_calls=True)
+        smp_s = min(smp_s, timed(step, data, warmup))
         torch_s = min(torch_s, timed(torch_step, data, warmup))
-    smp_step(*data[0])
-    timeline = smp.last_step_timeline()
+        step(*data[0])
+        timeline = smp.last_step_timeline()
+        smp.shutdown()
     if rank == 0 and trace:
         timeline.save_chrome_trace(trace)
-    smp.shutdown()
-    return {"cut": cut, "smp_s": smp_s, "torch_s": torch_s, "smp_timeline": timeline.summary()}
+    return {
+        "cut": cut,
+        "smp_s": smp_s,
+        "smp_sync_s": sync_s,
+        "torch_s": torch_s,
+        "smp_timeline": timeline.summary(),
+    }
 
 
 def _stage_times(cut: int, reps: int = 5) -> tuple[float, float, float]:
@@ -192,6 +208,7 @@ def main() -> None:
     samples = args.steps * BATCH
     ideal = samples / (args.steps * (M + P - 1) * max(t0, t1))
     smp_rate, torch_rate = samples / r["smp_s"], samples / r["torch_s"]
+    sync_rate = samples / r["smp_sync_s"]
     print(f"GPT 8 layers n_embd 384 (untied head), p={P}, m={M} microbatches of {MICRO} x {SEQ} "
           f"tokens; gloo, 1 thread per process")  # fmt: skip
     print(f"stage boundary (smp's partitioner): blocks 0-{r['cut'] - 1} | {r['cut']}-7")
@@ -200,11 +217,14 @@ def main() -> None:
     print(f"ideal (m/(m+p-1) from stage times)    {ideal:7.2f} samples/s")
     print(f"torch.distributed.pipelining 1F1B     {torch_rate:7.2f} samples/s   "
           f"{torch_rate / ideal:.3f} of ideal")  # fmt: skip
-    print(f"smp dynamic (interleaved)             {smp_rate:7.2f} samples/s   "
+    print(f"smp, synchronous calls                {sync_rate:7.2f} samples/s   "
+          f"{sync_rate / ideal:.3f} of ideal   {sync_rate / torch_rate:.3f}x torch")  # fmt: skip
+    print(f"smp, asynchronous calls (default)     {smp_rate:7.2f} samples/s   "
           f"{smp_rate / ideal:.3f} of ideal   {smp_rate / torch_rate:.3f}x torch")  # fmt: skip
     print("smp's last step (smp.last_step_timeline()):\n" + r["smp_timeline"])
     if args.json:
-        r.update(ideal=ideal, smp=smp_rate, torch=torch_rate, stage_s=[t0, t1], forward_s=fwd)
+        r.update(ideal=ideal, smp=smp_rate, smp_sync=sync_rate, torch=torch_rate)
+        r.update(stage_s=[t0, t1], forward_s=fwd)
         args.json.write_text(json.dumps(r, indent=2))
 
 

@@ -60,6 +60,9 @@ class Config:
     pipeline: str = "interleaved"
     """``"interleaved"``: backward of a ready microbatch first (1F1B-like); ``"simple"``: all
     forwards, then all backwards."""
+    pipeline_async_calls: bool = True
+    """A call of the step function to a module on another stage returns at once with futures
+    when the module's output structure is known from an earlier call (design.md §4c)."""
     active_microbatches: int | None = None
     """Most microbatches in flight at once; None means ``min(pp + 2, microbatches)``."""
     optimize: str = "speed"

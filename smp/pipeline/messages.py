@@ -10,6 +10,12 @@ mappings. ``pack`` splits such a value into
 
 and ``unpack`` puts them back together. Slots remember whether the tensor required grad, so the
 receiving side knows which values enter the autograd graph.
+
+``pack`` may be given a ``resolve`` hook that sees every tensor first: it returns the tensor to
+send, or a :class:`Ref` when the receiver already holds the value (an output of an earlier call
+it served); a Ref keeps its slot in the skeleton but sends no payload. :func:`structure` is the
+skeleton with every slot's ``requires_grad`` cleared, as bytes: two values with equal structures
+differ only in their tensors.
 """
 
 from __future__ import annotations
@@ -21,7 +27,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorSlot", "pack", "unpack", "slots"]
+__all__ = [
+    "TensorSlot",
+    "Ref",
+    "pack",
+    "unpack",
+    "fill",
+    "slots",
+    "slots_of",
+    "structure",
+    "describe",
+    "map_tensors",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +49,21 @@ class TensorSlot:
     requires_grad: bool
 
 
-def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A tensor the receiver holds already: output ``slot`` of the call ``call_id`` it served."""
+
+    call_id: int
+    slot: int
+
+
+def _strip(value: Any, tensors: list, resolve=None) -> Any:
     if isinstance(value, torch.Tensor):
+        if resolve is not None:
+            value = resolve(value)
+            if isinstance(value, Ref):
+                tensors.append(value)
+                return TensorSlot(len(tensors) - 1, False)
         tensors.append(value)
         return TensorSlot(len(tensors) - 1, value.requires_grad)
     if value is None or isinstance(
@@ -41,17 +71,18 @@ def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
     ):
         return value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_strip(v, tensors) for v in value))
+        return type(value)(*(_strip(v, tensors, resolve) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_strip(v, tensors) for v in value)
+        return type(value)(_strip(v, tensors, resolve) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # ModelOutput-style classes are dataclasses and mappings; rebuild them from their fields.
         fields = {
-            f.name: _strip(getattr(value, f.name), tensors) for f in dataclasses.fields(value)
+            f.name: _strip(getattr(value, f.name), tensors, resolve)
+            for f in dataclasses.fields(value)
         }
         return _Rebuild(type(value), fields)
     if isinstance(value, Mapping):
-        items = {k: _strip(v, tensors) for k, v in value.items()}
+        items = {k: _strip(v, tensors, resolve) for k, v in value.items()}
         return items if type(value) is dict else _Rebuild(type(value), items)
     raise TypeError(
         f"smp: a value of type {type(value).__name__} cannot cross pipeline stages; module "
@@ -86,26 +117,95 @@ def _fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return skeleton
 
 
-def pack(value: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Returns (skeleton as a uint8 tensor, tensors in depth-first order).
+def pack(value: Any, resolve=None) -> tuple[torch.Tensor, list]:
+    """Returns (skeleton as a uint8 tensor, tensors in depth-first order); with ``resolve``, the
+    list holds a :class:`Ref` where the hook returned one.
 
     Raises:
         TypeError: a value that cannot cross stages (named by type).
     """
-    tensors: list[torch.Tensor] = []
-    skeleton = _strip(value, tensors)
+    tensors: list = []
+    skeleton = _strip(value, tensors, resolve)
     blob = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8), tensors
 
 
-def unpack(skeleton: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
+def unpack(skeleton: torch.Tensor, tensors: list) -> Any:
     """Inverse of :func:`pack`."""
-    structure = pickle.loads(skeleton.numpy().tobytes())
+    return fill(pickle.loads(skeleton.numpy().tobytes()), tensors)
+
+
+def fill(structure: Any, tensors: list) -> Any:
+    """The value of an unpickled skeleton with ``tensors[i]`` at slot i (any objects will do)."""
     return _fill(structure, tensors)
+
+
+def _cleared(node: Any) -> Any:
+    if isinstance(node, TensorSlot):
+        return TensorSlot(node.index, False)
+    if isinstance(node, _Rebuild):
+        return _Rebuild(node.cls, {k: _cleared(v) for k, v in node.fields.items()})
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return type(node)(*(_cleared(v) for v in node))
+    if isinstance(node, (list, tuple)):
+        return type(node)(_cleared(v) for v in node)
+    if isinstance(node, dict):
+        return {k: _cleared(v) for k, v in node.items()}
+    return node
+
+
+def structure(skeleton: torch.Tensor) -> tuple[bytes, Any]:
+    """(bytes, object) of the skeleton with every slot's ``requires_grad`` cleared."""
+    cleared = _cleared(pickle.loads(skeleton.numpy().tobytes()))
+    return pickle.dumps(cleared, protocol=pickle.HIGHEST_PROTOCOL), cleared
+
+
+def map_tensors(value: Any, fn) -> Any:
+    """``value`` rebuilt with every tensor ``t`` (in containers :func:`pack` accepts) replaced
+    by ``fn(t)``; values of other types are kept as they are."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(map_tensors(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: map_tensors(getattr(value, f.name), fn) for f in dataclasses.fields(value)
+        }
+        return dataclasses.replace(value, **changes) if changes else value
+    if isinstance(value, Mapping):
+        items = {k: map_tensors(v, fn) for k, v in value.items()}
+        try:
+            return type(value)(**items)
+        except TypeError:
+            return type(value)(items)
+    return value
 
 
 def slots(skeleton: torch.Tensor) -> list[TensorSlot]:
     """The tensor slots of a packed skeleton, in tensor order."""
+    return slots_of(pickle.loads(skeleton.numpy().tobytes()))
+
+
+def describe(structure: Any) -> str:
+    """A short description of an unpickled skeleton, e.g. ``tuple(Tensor, None, 3)``."""
+    if isinstance(structure, TensorSlot):
+        return "Tensor"
+    if isinstance(structure, _Rebuild):
+        inner = ", ".join(f"{k}={describe(v)}" for k, v in structure.fields.items())
+        return f"{structure.cls.__name__}({inner})"
+    if isinstance(structure, (list, tuple)):
+        return f"{type(structure).__name__}({', '.join(describe(v) for v in structure)})"
+    if isinstance(structure, dict):
+        return "dict(" + ", ".join(f"{k}={describe(v)}" for k, v in structure.items()) + ")"
+    return repr(structure)
+
+
+def slots_of(structure: Any) -> list[TensorSlot]:
+    """The tensor slots of an unpickled skeleton, in tensor order."""
     found: list[TensorSlot] = []
 
     def walk(node: Any) -> None:
@@ -121,5 +221,5 @@ def slots(skeleton: torch.Tensor) -> list[TensorSlot]:
             for v in node.values():
                 walk(v)
 
-    walk(pickle.loads(skeleton.numpy().tobytes()))
+    walk(structure)
     return sorted(found, key=lambda s: s.index)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import pickle
 import threading
 import time
 import traceback
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree
 from torch import nn
 
 from smp import _C
@@ -48,11 +50,78 @@ class _Call:
 
     call_id: int
     owner: int
+    worker: Any
+    grad: bool  # made with grad mode on: backward crosses it (GRAD_OUT, maybe GRAD_IN)
     sent: list[torch.Tensor]  # sent tensors that require grad, in slot order
     sent_edges: list[Any]  # their gradient edges
-    out_leaves: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    participates: bool = False  # some output requires grad: backward crosses this call
+    path: str = ""
+    key: tuple | None = None  # (module index, request structure, grad): its output prediction
+    predicted: bytes | None = None  # the output structure the caller continued with (async)
+    values: list[torch.Tensor] | None = None  # the outputs, once REPLY has arrived
+    out_leaves: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
     grad_in: list[torch.Tensor | None] | None = None
+    structure: Any = None  # the REPLY's skeleton, unpickled
+
+
+class _Future(torch.Tensor):
+    """An output of an asynchronous remote call (design.md §4c) before or after it arrives.
+
+    Any use as a tensor (an op, a method, a property such as ``.shape``) waits for the value and
+    then runs on it; passed to another call of the module's owner, it travels as a reference and
+    the owner uses the value it already holds.
+    """
+
+    @staticmethod
+    def __new__(cls, call: _Call, slot: int):
+        future = torch.Tensor._make_subclass(cls, _EMPTY, False)
+        future._smp_call, future._smp_slot = call, slot
+        return future
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = _resolve_tree((args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents=None):
+        return repr(self._smp_value())
+
+    def _smp_value(self) -> torch.Tensor:
+        call: _Call = self._smp_call
+        if call.values is None:
+            worker = getattr(_current, "worker", None)
+            if worker is not call.worker:
+                raise RuntimeError(
+                    f"smp: the output of module '{call.path}' (pipeline stage {call.owner}) was "
+                    "used outside the step function's microbatch that called it, before it arrived"
+                )
+            call.worker.wait_for(call)
+        return call.values[self._smp_slot]
+
+
+# A future's own storage: empty, and on the meta device, so code that bypasses
+# __torch_function__ (a C++ extension bound with pybind) fails loudly instead of reading it.
+_EMPTY = torch.empty(0, device="meta")
+
+
+def _resolve_module_args(module, args):
+    """Global forward pre-hook during a pipelined step: a local module's positional arguments
+    are resolved before its forward (its code may call C++ extensions directly)."""
+    if any(isinstance(a, (_Future, list, tuple, dict)) for a in args):
+        return _resolve_tree(args)
+    return None
+
+
+def _resolve(value):
+    return value._smp_value() if isinstance(value, _Future) else value
+
+
+def _resolve_tree(tree):
+    return torch.utils._pytree.tree_map(_resolve, tree)
+
+
+def _resolve_results(value):
+    """A step function's results with every future replaced by its value."""
+    return messages.map_tensors(value, _resolve)
 
 
 class _Worker:
@@ -71,8 +140,6 @@ class _Worker:
         self.error: BaseException | None = None
         self.error_text = ""
         self.aborted = False
-        self.reply: Any = None  # (skeleton, tensors) of the REPLY that resumes this worker
-        self.out_grads: tuple[list[int], list[torch.Tensor]] | None = None  # served: GRAD_OUT
         # backward bookkeeping
         self.starts: list[int] = []
         self.calls: list[_Call] = []
@@ -83,14 +150,26 @@ class _Worker:
         self.backward_done = False
         self.served: tuple[int, int] | None = None  # (caller stage, call id) for served calls
         self.module_path: str | None = None  # the module a served call runs
-        self.input_leaves: list[torch.Tensor] = []
-        self.outputs: list[torch.Tensor] = []  # served: output tensors in slot order
+        self.input_leaves: list[tuple[int, torch.Tensor]] = []  # served: (slot, leaf)
+        self.out_tensors: list[torch.Tensor] = []  # served: every output tensor, slot order
+        self.out_grads_acc: dict[int, torch.Tensor] = {}  # served: output slot -> gradient
+        self.awaiting = 0  # served: gradient deliveries missing (GRAD_OUT, consumers' shares)
+        self.grad = runtime.grad_enabled  # grad mode (served: the caller's, from REQUEST)
+        self.backward_started = False
+        self.completed = False  # served: GRAD_IN sent
+        self.replied = False  # served: REPLY sent (its outputs are known)
+        self.ref_inputs: list[tuple[int, _Worker, int]] = []  # (value index, producer, slot)
+        self.ref_leaves: list[tuple[_Worker, int, torch.Tensor]] = []  # (producer, slot, leaf)
+        self.deferred: list[_Worker] = []  # served calls waiting for this one's outputs
+        self.waiting: _Call | None = None  # the call whose REPLY this suspended worker awaits
+        self.replies_due = 0  # calls whose REPLY has not arrived
+        self.acks_due = 0  # calls whose GRAD_IN has not arrived
         self.thread = threading.Thread(target=self._main, daemon=True, name=f"smp-worker{self.id}")
 
     def _main(self) -> None:
         self.go.acquire()
         _current.worker = self
-        torch.set_grad_enabled(self.runtime.grad_enabled)
+        torch.set_grad_enabled(self.grad)
         try:
             if self.aborted:
                 raise _Abort()
@@ -112,6 +191,11 @@ class _Worker:
         self.go.acquire()
         if self.aborted:
             raise _Abort()
+
+    def wait_for(self, call: _Call) -> None:
+        """Suspends until ``call``'s REPLY has arrived (the server grants this worker then)."""
+        self.waiting = call
+        self.suspend()
 
     def new_interval(self) -> None:
         self.starts.append(segments.mark())
@@ -199,6 +283,11 @@ class PipelineRuntime:
         self._back = threading.Semaphore(0)
         self._call_ids = itertools.count()
         self.grad_enabled = True
+        self.async_calls = bool(getattr(state.config, "pipeline_async_calls", True))
+        # Output structures of earlier calls: (module index, argument structure, grad) ->
+        # (bytes, skeleton). Kept across steps; a key whose outputs changed is never predicted.
+        self.predictions: dict[tuple, tuple[bytes, Any]] = {}
+        self.unstable: set[tuple] = set()
         self._install_stubs()
         state.closers.append(self.close)
         state.runtimes.append(self)
@@ -255,28 +344,80 @@ class PipelineRuntime:
         return self._remote_call(worker, owner, self.index_of[path], args, kwargs)
 
     def _remote_call(self, worker: _Worker, owner: int, index: int, args, kwargs):
-        skeleton, tensors = messages.pack((args, kwargs))
+        """Sends REQUEST to ``owner``. A call of the leader's step function whose output
+        structure is known (an earlier call with the same module and argument structure) returns
+        futures at once (design.md §4c); any other call suspends the worker until REPLY."""
         call_id = next(self._call_ids)
-        sent = [t for t in tensors if t.requires_grad]
-        call = _Call(call_id, owner, sent, [segments.edge_of(t) for t in sent])
+
+        def resolve(tensor):
+            if isinstance(tensor, _Future):
+                call = tensor._smp_call
+                if call.owner == owner and call.worker.runtime is self:
+                    return messages.Ref(call.call_id, tensor._smp_slot)
+                return tensor._smp_value()
+            return tensor
+
+        skeleton, tensors = messages.pack((args, kwargs), resolve)
+        refs = [(i, t) for i, t in enumerate(tensors) if isinstance(t, messages.Ref)]
+        real = [t for t in tensors if not isinstance(t, messages.Ref)]
+        grad = torch.is_grad_enabled()
+        sent = [t for t in real if t.requires_grad] if grad else []
+        path = self.paths[index] or "<root>"
+        call = _Call(call_id, owner, worker, grad, sent, [segments.edge_of(t) for t in sent], path)
         worker.calls.append(call)
-        self.server.expect(call_id, _C.TaskKind.RESUME, worker.microbatch, worker.id)
-        self.transport.send(
-            owner, [REQUEST, worker.microbatch, call_id, index], [skeleton, *tensors]
-        )
-        worker.suspend()
-        skeleton, tensors = worker.reply
-        worker.reply = None
-        leaves = []
-        for slot, tensor in zip(messages.slots(skeleton), tensors):
-            if slot.requires_grad and torch.is_grad_enabled():
-                tensor.requires_grad_(True)
-                leaves.append(tensor)
-                worker.boundary[id(tensor)] = tensor
-        call.out_leaves = leaves
-        call.participates = bool(leaves)
+        header = [REQUEST, worker.microbatch, call_id, index, int(grad), len(refs)]
+        for slot, ref in refs:
+            header += [slot, ref.call_id, ref.slot]
+        prediction = None
+        if self.async_calls:
+            call.key = (index, messages.structure(skeleton)[0], grad)
+            prediction = self.predictions.get(call.key)
+        task_id = self.server.new_id()
+        self.reply_tasks[task_id] = call
+        self.server.expect(call_id, _C.TaskKind.RESUME, worker.microbatch, task_id)
+        self.transport.send(owner, header, [skeleton, *real])
         worker.new_interval()
-        return messages.unpack(skeleton, tensors)
+        worker.replies_due += 1
+        if prediction is None:  # synchronous: wait for the outputs
+            worker.wait_for(call)
+            return messages.fill(call.structure, call.values)
+        call.predicted, predicted = prediction
+        n = len(messages.slots_of(predicted))
+        return messages.fill(predicted, [_Future(call, i) for i in range(n)])
+
+    def _reply_arrived(self, call: _Call, message) -> None:
+        """A REPLY: the call's outputs enter the caller's graph as boundary leaves."""
+        worker = call.worker
+        skeleton, tensors = message[2][0], message[2][1:]
+        key, cleared = messages.structure(skeleton)
+        if call.predicted is not None and key != call.predicted:
+            self.unstable.add(call.key)
+            self.predictions.pop(call.key, None)
+            raise RuntimeError(
+                f"smp: module '{call.path}' (pipeline stage {call.owner}) returned "
+                f"{messages.describe(cleared)}, but its earlier calls with the same arguments "
+                f"returned {messages.describe(pickle.loads(call.predicted))}, and the step "
+                "function had continued with that (asynchronous pipeline calls, design.md §4c). "
+                "This step failed and changed nothing; the module's calls are synchronous from "
+                'now on. Set "pipeline_async_calls": False to make every call synchronous.'
+            )
+        if call.key is not None and call.key not in self.unstable:
+            self.predictions[call.key] = (key, cleared)
+        call.structure = pickle.loads(skeleton.numpy().tobytes())
+        for slot, tensor in zip(messages.slots(skeleton), tensors):
+            if slot.requires_grad and call.grad:
+                tensor.requires_grad_(True)
+                call.out_leaves.append((slot.index, tensor))
+                worker.boundary[id(tensor)] = tensor
+        call.values = list(tensors)
+        worker.replies_due -= 1
+        if worker.waiting is call:
+            worker.waiting = None
+            self._grant(worker)
+        elif worker.served is None:
+            self._maybe_finish_microbatch(worker.microbatch)
+        elif worker.finished and not worker.replies_due:
+            self._reply(worker)
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -300,7 +441,9 @@ class PipelineRuntime:
         self.policy = self.server.policy
         self.results: list[Any] = [None] * cfg.microbatches
         self.workers: dict[int, _Worker] = {}
-        self.call_of: dict[int, tuple[_Worker, _Call]] = {}
+        self.grad_tasks: dict[int, _Call] = {}  # task id -> call awaiting its GRAD_IN
+        self.reply_tasks: dict[int, _Call] = {}  # task id -> call awaiting its REPLY
+        self.served_calls: dict[tuple[int, int], _Worker] = {}  # (caller stage, call id)
         self.step_workers: dict[int, _Worker] = {}  # microbatch -> leader worker
         self.backward_calls = 0
         self.done_mb: set[int] = set()
@@ -309,6 +452,7 @@ class PipelineRuntime:
         self.failed_module: str | None = None
         self.ended = False
         error: BaseException | None = None
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(_resolve_module_args)
         try:
             self._loop(leader)
         except BaseException as exc:  # noqa: BLE001
@@ -317,6 +461,7 @@ class PipelineRuntime:
             if self.order_transport is not None and self.order_leader:
                 self._tell_followers([_ORDER_ABORT])  # they wait for this rank's next task
         finally:
+            hook.remove()
             self._abort_workers()
             try:
                 self.transport.finish()
@@ -354,19 +499,21 @@ class PipelineRuntime:
                 mb = task.microbatch
                 args, kwargs = self.step_calls[mb]
                 worker = _Worker(
-                    self, mb, lambda a=args, k=kwargs: self.step_fn(*a, **k), self.server.new_id()
+                    self,
+                    mb,
+                    lambda a=args, k=kwargs: _resolve_results(self.step_fn(*a, **k)),
+                    self.server.new_id(),
                 )
                 self.step_workers[mb] = worker
                 self._start(worker)
             elif kind == _C.TaskKind.SERVE_REQUEST:
-                self._start(self._served_worker(task.id, *message))
+                self._serve(task.id, *message)
             elif kind == _C.TaskKind.RESUME:
-                worker = self.workers[task.id]
-                tensors = message[2]
-                worker.reply = (tensors[0], tensors[1:])
-                self._grant(worker)
-            else:
+                self._reply_arrived(self.reply_tasks.pop(task.id), message)
+            elif message[1][0] == GRAD_OUT:
                 self._gradients_arrived(self.workers[task.id], *message)
+            else:
+                self._grad_in_arrived(self.grad_tasks.pop(task.id), *message)
 
     # ---- task order across the TP ranks of a stage ----------------------------------------------
 
@@ -452,20 +599,30 @@ class PipelineRuntime:
 
     def _on_finished(self, worker: _Worker) -> None:
         if worker.served is not None:
-            caller, call_id = worker.served
-            skeleton, tensors = messages.pack(worker.result)
-            worker.outputs = [t for t in tensors if t.requires_grad]
-            self.transport.send(caller, [REPLY, worker.microbatch, call_id], [skeleton, *tensors])
-            if not worker.outputs:
-                worker.backward_done = True
+            if not worker.replies_due:  # else when the last REPLY to its own calls arrives
+                self._reply(worker)
             return
         mb = worker.microbatch
         self.results[mb] = worker.result
         self._maybe_finish_microbatch(mb)
 
+    def _reply(self, worker: _Worker) -> None:
+        """REPLY of a served call: its forward and every call it made have finished."""
+        caller, call_id = worker.served
+        skeleton, tensors = messages.pack(worker.result)
+        worker.out_tensors = tensors
+        worker.replied = True
+        self.transport.send(caller, [REPLY, worker.microbatch, call_id], [skeleton, *tensors])
+        if not worker.grad:
+            worker.backward_done = True
+        deferred, worker.deferred = worker.deferred, []
+        for consumer in deferred:
+            self._start_when_ready(consumer)
+        self._maybe_served_backward(worker)
+
     def _maybe_finish_microbatch(self, mb: int) -> None:
         worker = self.step_workers[mb]
-        if mb in self.done_mb or not worker.finished:
+        if mb in self.done_mb or not worker.finished or worker.replies_due or worker.acks_due:
             return
         if worker.next_interval >= 0 and not worker.backward_done:
             return
@@ -482,37 +639,93 @@ class PipelineRuntime:
 
     # ---- messages --------------------------------------------------------------------------------
 
+    def _serve(self, worker_id: int, peer: int, header: list[int], tensors) -> None:
+        """A REQUEST: runs the owned module's real forward on the caller's values, once every
+        output of this rank's earlier calls that it takes by reference is computed."""
+        self._start_when_ready(self._served_worker(worker_id, peer, header, tensors))
+
+    def _start_when_ready(self, worker: _Worker) -> None:
+        busy = [p for _, p, _ in worker.ref_inputs if not p.replied]
+        if busy:
+            busy[0].deferred.append(worker)  # checked again when that one finishes
+        else:
+            self._start(worker)
+
     def _served_worker(self, worker_id: int, peer: int, header: list[int], tensors) -> _Worker:
-        """A worker for a REQUEST: the owned module's real forward on the caller's values."""
-        mb, call_id, index = header[1], header[2], header[3]
-        skeleton, payload = tensors[0], tensors[1:]
+        mb, call_id, index, grad, n_refs = header[1:6]
+        refs = {header[6 + 3 * i]: (header[7 + 3 * i], header[8 + 3 * i]) for i in range(n_refs)}
+        skeleton, payload = tensors[0], list(tensors[1:])
         worker = _Worker(self, mb, lambda: None, worker_id)
-        leaves = []
-        for slot, tensor in zip(messages.slots(skeleton), payload):
-            if slot.requires_grad and self.grad_enabled:
+        worker.grad = bool(grad) and self.grad_enabled
+        worker.awaiting = int(worker.grad)  # the caller's GRAD_OUT
+        worker.served = (peer, call_id)
+        worker.module_path = self.paths[index] or "<root>"
+        self.served_calls[(peer, call_id)] = worker
+        self.workers[worker_id] = worker  # a GRAD_OUT may come before it starts
+        values: list[Any] = []
+        slots = messages.slots(skeleton)
+        for slot in slots:
+            if slot.index in refs:
+                producer = self.served_calls[(peer, refs[slot.index][0])]
+                if producer.backward_started:
+                    raise RuntimeError(
+                        f"smp: an output of module '{producer.module_path}' was passed to "
+                        f"'{worker.module_path}' after the backward of its microbatch began"
+                    )
+                worker.ref_inputs.append((len(values), producer, refs[slot.index][1]))
+                if worker.grad:
+                    producer.awaiting += 1
+                values.append(None)  # filled when the worker starts (the producer may be busy)
+            else:
+                values.append(payload.pop(0))
+        worker.input_leaves = []
+        for slot, tensor in zip(slots, values):
+            if tensor is not None and slot.requires_grad and worker.grad:
                 tensor.requires_grad_(True)
                 worker.boundary[id(tensor)] = tensor
-                leaves.append(tensor)
-        worker.input_leaves = leaves
-        args, kwargs = messages.unpack(skeleton, payload)
+                worker.input_leaves.append((slot.index, tensor))
         module = self.modules[self.paths[index]]
-        worker.target = lambda: module(*args, **kwargs)
-        worker.module_path = self.paths[index] or "<root>"
-        worker.served = (peer, call_id)
+
+        def target():
+            for i, producer, out_slot in worker.ref_inputs:
+                # A copy: the consumer may modify its input in place; the producer's graph
+                # may have saved it.
+                value = producer.out_tensors[out_slot].detach().clone()
+                if worker.grad and value.dtype.is_floating_point and producer.grad:
+                    value.requires_grad_(producer.out_tensors[out_slot].requires_grad)
+                if value.requires_grad:
+                    worker.boundary[id(value)] = value
+                    worker.ref_leaves.append((producer, out_slot, value))
+                values[i] = value
+            args, kwargs = messages.fill(pickle.loads(skeleton.numpy().tobytes()), values)
+            return _resolve_results(module(*args, **kwargs))
+
+        worker.target = target
         return worker
 
     def _gradients_arrived(self, worker: _Worker, peer: int, header: list[int], tensors) -> None:
-        """GRAD_OUT reached a served call, or GRAD_IN returned to a caller: continue backward."""
-        present = header[3:]
-        if header[0] == GRAD_OUT:
-            worker.out_grads = (present, tensors)
-        else:
-            _, call = self.call_of.pop(header[2])
+        """GRAD_OUT reached a served call: its backward may start."""
+        for slot, grad in zip(header[3:], tensors):
+            _add(worker.out_grads_acc, slot, grad)
+        worker.awaiting -= 1
+        self._maybe_served_backward(worker)
+
+    def _grad_in_arrived(self, call: _Call, peer: int, header: list[int], tensors) -> None:
+        """GRAD_IN: the owner's backward of ``call`` (and of every call it made) is complete.
+        When the caller sent tensors that require grad, it carries their gradients and the
+        caller's backward continues; otherwise it only acknowledges."""
+        worker = call.worker
+        worker.acks_due -= 1
+        if call.sent:
             grads: list[torch.Tensor | None] = [None] * len(call.sent)
-            for slot, grad in zip(present, tensors):
+            for slot, grad in zip(header[3:], tensors):
                 grads[slot] = grad
             call.grad_in = grads
-        self._run_backward(worker)
+            self._run_backward(worker)
+        elif worker.served is None:
+            self._maybe_finish_microbatch(worker.microbatch)
+        else:
+            self._maybe_served_complete(worker)
 
     def _broadcast_error(self, exc: BaseException) -> None:
         if isinstance(exc, _C.RemoteStageError):
@@ -544,6 +757,7 @@ class PipelineRuntime:
                 "pipeline_parallel_degree > 1; add the losses and call it once"
             )
         roots = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+        roots, grad_tensors = _resolve_tree((roots, grad_tensors))
         if grad_tensors is None:
             grads = [torch.ones_like(r) for r in roots]
         else:
@@ -567,14 +781,28 @@ class PipelineRuntime:
         finally:
             self.recorder.end()
 
-    def _run_backward_task(self, worker: _Worker) -> None:
-        if worker.served is not None and worker.next_interval == -1:
-            present, grads = worker.out_grads
-            worker.out_grads = None
-            roots = [worker.outputs[i] for i in present]
-            worker.next_interval = len(worker.starts) - 1
-            self._continue_backward(worker, roots, list(grads))
+    def _maybe_served_backward(self, worker: _Worker) -> None:
+        """Starts a served call's backward once its forward is done and every gradient of its
+        outputs is in: the caller's GRAD_OUT and the shares of this rank's calls that took its
+        outputs by reference."""
+        if worker.backward_started or not worker.replied or worker.awaiting or not worker.grad:
             return
+        worker.backward_started = True
+        roots, grads = [], []
+        for slot, grad in worker.out_grads_acc.items():
+            if worker.out_tensors[slot].requires_grad:
+                roots.append(worker.out_tensors[slot])
+                grads.append(grad)
+        worker.out_grads_acc = {}
+        worker.next_interval = len(worker.starts) - 1
+        self.recorder.begin("B", worker.microbatch)
+        try:
+            self._continue_backward(worker, roots, grads)
+        finally:
+            self.recorder.end()
+
+    def _run_backward_task(self, worker: _Worker) -> None:
+        """GRAD_IN of the call ending interval ``next_interval`` arrived: that interval runs."""
         call = worker.calls[worker.next_interval]
         for edge, grad in zip(call.sent_edges, call.grad_in or []):
             if grad is None:
@@ -619,17 +847,22 @@ class PipelineRuntime:
                 return
             call = worker.calls[j - 1]
             worker.next_interval = j - 1
-            if call.participates:
-                out = [worker.leaf_grads.pop(id(leaf), None) for leaf in call.out_leaves]
-                present = [i for i, g in enumerate(out) if g is not None]
-                self.call_of[call.call_id] = (worker, call)
-                self.server.expect(call.call_id, _C.TaskKind.BACKWARD, worker.microbatch, worker.id)
+            if call.grad:
+                # Sent even without gradients: the owner's backward chain must complete, and it
+                # answers GRAD_IN when it has. Only gradients this rank needs are waited for.
+                out = [(s, worker.leaf_grads.pop(id(leaf), None)) for s, leaf in call.out_leaves]
+                out = [(s, g) for s, g in out if g is not None]
+                task_id = self.server.new_id()
+                self.grad_tasks[task_id] = call
+                worker.acks_due += 1
+                self.server.expect(call.call_id, _C.TaskKind.BACKWARD, worker.microbatch, task_id)
                 self.transport.send(
                     call.owner,
-                    [GRAD_OUT, worker.microbatch, call.call_id, *present],
-                    [out[i] for i in present],
+                    [GRAD_OUT, worker.microbatch, call.call_id, *(s for s, _ in out)],
+                    [g for _, g in out],
                 )
-                return  # continues when GRAD_IN arrives
+                if call.sent:
+                    return  # continues when GRAD_IN arrives
             roots, grads = self._pending_roots(worker, j - 1)
 
     def _backward_finished(self, worker: _Worker) -> None:
@@ -637,8 +870,23 @@ class PipelineRuntime:
         if worker.served is None:
             self._maybe_finish_microbatch(worker.microbatch)
             return
+        for producer, slot, leaf in worker.ref_leaves:  # shares of this rank's earlier calls
+            grad = worker.leaf_grads.pop(id(leaf), None)
+            if grad is not None:
+                _add(producer.out_grads_acc, slot, grad)
+        for _, producer, _ in worker.ref_inputs:
+            producer.awaiting -= 1
+            self._maybe_served_backward(producer)
+        self._maybe_served_complete(worker)
+
+    def _maybe_served_complete(self, worker: _Worker) -> None:
+        """GRAD_IN to the caller once this call's backward is done and every call it made has
+        acknowledged its own (so the caller learns when the whole subtree is complete)."""
+        if not worker.backward_done or worker.acks_due or worker.completed:
+            return
+        worker.completed = True
         caller, call_id = worker.served
-        grads = [worker.leaf_grads.pop(id(leaf), None) for leaf in worker.input_leaves]
+        grads = [worker.leaf_grads.pop(id(leaf), None) for _, leaf in worker.input_leaves]
         present = [i for i, g in enumerate(grads) if g is not None]
         self.transport.send(
             caller, [GRAD_IN, worker.microbatch, call_id, *present], [grads[i] for i in present]

@@ -22,6 +22,7 @@ ALL_KEYS = {
     "tensor_parallel_degree",
     "microbatches",
     "pipeline",
+    "pipeline_async_calls",
     "active_microbatches",
     "optimize",
     "memory_weight",
@@ -42,6 +43,7 @@ ALL_KEYS = {
     "timeout_s",
 }
 BOOL_KEYS = [
+    "pipeline_async_calls",
     "auto_partition",
     "ddp",
     "prescaled_batch",
@@ -76,6 +78,7 @@ def test_defaults(user):
         "tensor_parallel_degree": 1,
         "microbatches": 1,
         "pipeline": "interleaved",
+        "pipeline_async_calls": True,
         "active_microbatches": 1,
         "optimize": "speed",
         "memory_weight": 0.2,

@@ -1,0 +1,203 @@
+"""Asynchronous cross-stage calls (design.md §4c): chained calls to one stage run without round
+trips, outputs used on the caller, passed on by reference, or both give exact gradients, a step
+whose calls change is still exact, and a module whose output structure changes fails that step
+clearly and works synchronously afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import assert_owned_grads_match
+from torch import nn
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, h):
+        return torch.tanh(self.fc(h)) + h
+
+
+class Chain(nn.Module):
+    """``a`` and ``head`` on stage 0, four blocks on stage 1. ``variant`` changes the calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(16, 3)
+        self.variant = 0
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.variant == 1:  # a different sequence of calls: one block skipped, a reuse
+            h = self.blocks[0](h)
+            h1 = self.blocks[1](h)
+            # h1 has a consumer on its own stage (by reference) and one here (materialized)
+            h = self.blocks[3](h1) + 0.5 * h1
+            h = self.blocks[3](h)
+        else:
+            for block in self.blocks:
+                h = block(h)
+        return self.head(h)
+
+
+def _place(model: Chain, smp) -> None:
+    smp.set_partition(model.a, 0)
+    smp.set_partition(model.head, 0)
+    for block in model.blocks:
+        smp.set_partition(block, 1)
+
+
+def _chain_worker(async_calls: bool, microbatches: int):
+    import smp
+    from smp.pipeline import runtime
+
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": microbatches,
+            "pipeline_async_calls": async_calls,
+        }
+    )
+    waits = [0]
+    wait_for = runtime._Worker.wait_for
+
+    def counting_wait_for(self, call):
+        waits[0] += 1
+        return wait_for(self, call)
+
+    runtime._Worker.wait_for = counting_wait_for
+    try:
+        torch.manual_seed(0)
+        reference = Chain()
+        torch.manual_seed(0)
+        module = Chain()
+        _place(module, smp)
+        model = smp.DistributedModel(module)
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+        @smp.step
+        def train_step(model, x, y):
+            loss = F.cross_entropy(model(x), y)
+            model.backward(loss)
+            return loss
+
+        g = torch.Generator().manual_seed(3)
+        waits_per_step = []
+        for step, variant in enumerate([0, 0, 1, 0, 1]):
+            module.variant = reference.variant = variant
+            x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+            optimizer.zero_grad()
+            waits[0] = 0
+            loss = train_step(model, x, y).reduce_mean()
+            waits_per_step.append(waits[0])
+            reference_optimizer.zero_grad()
+            ref_loss = 0.0
+            for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+                mb_loss = F.cross_entropy(reference(xs), ys) / microbatches
+                mb_loss.backward()
+                ref_loss += mb_loss.item()
+            assert abs(loss.item() - ref_loss) < 1e-5, (step, loss.item(), ref_loss)
+            assert assert_owned_grads_match(model, reference, smp.pp_rank(), TOL) > 0
+            optimizer.step()
+            reference_optimizer.step()
+        return waits_per_step
+    finally:
+        runtime._Worker.wait_for = wait_for
+
+
+@pytest.mark.parametrize("async_calls", [True, False])
+def test_chain_and_changing_calls_are_exact(pools, async_calls):
+    waits = pools.run(2, _chain_worker, async_calls, 4)[0]  # the leader's
+    if async_calls:
+        # Step 1 repeats step 0's calls: every block call returns at once, and each microbatch
+        # waits once, for the last block's output (the head is on this stage).
+        assert waits[1] == 4, waits
+        assert waits[3] == 4, waits  # after a step with other calls, as fast again
+    else:
+        assert waits[1] == 4 * 4, waits  # one round trip per block call
+
+
+class Flaky(nn.Module):
+    """Returns (h,) until ``extra`` is set, then (h, h.sum()): same arguments, new structure."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.extra = False
+
+    def forward(self, h):
+        h = self.fc(h)
+        return (h, h.sum()) if self.extra else (h,)
+
+
+class UsesFlaky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.flaky = Flaky()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.flaky(self.a(x))[0])
+
+
+def _structure_worker():
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
+    torch.manual_seed(0)
+    reference = UsesFlaky()
+    torch.manual_seed(0)
+    module = UsesFlaky()
+    smp.set_partition(module.a, 0)
+    smp.set_partition(module.head, 0)
+    smp.set_partition(module.flaky, 1)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))]
+    model.zero_grad()
+    train_step(model, *batches[0])
+    before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    module.flaky.extra = reference.flaky.extra = True
+    # The leader, where the REPLY arrived, raises the error itself; the other rank a
+    # StepFailedError quoting it.
+    with pytest.raises(RuntimeError) as info:
+        train_step(model, *batches[0])
+    message = str(info.value)
+    after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    # The module's calls are synchronous now: the next step is exact.
+    model.zero_grad()
+    loss = train_step(model, *batches[0]).reduce_mean()
+    reference.zero_grad()
+    ref_loss = 0.0
+    for xs, ys in zip(batches[0][0].chunk(2), batches[0][1].chunk(2)):
+        mb_loss = F.cross_entropy(reference(xs), ys) / 2
+        mb_loss.backward()
+        ref_loss += mb_loss.item()
+    assert abs(loss.item() - ref_loss) < 1e-5
+    assert_owned_grads_match(model, reference, smp.pp_rank(), TOL)
+    return message
+
+
+def test_changed_output_structure_fails_the_step_then_runs_synchronously(pools):
+    messages = pools.run(2, _structure_worker)
+    for message in messages:
+        assert "module 'flaky'" in message, message
+        assert "tuple(Tensor, Tensor)" in message and "tuple(Tensor)" in message, message
+        assert "pipeline_async_calls" in message, message
