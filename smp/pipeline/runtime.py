@@ -31,11 +31,13 @@ from torch import nn
 
 from smp import _C
 from smp.pipeline import messages, segments
+from smp.pipeline.sender import Sender
 from smp.state import State
 
 __all__ = ["PipelineRuntime"]
 
 REQUEST, REPLY, GRAD_OUT, GRAD_IN, ERROR, STEP_END = range(1, 7)
+_FETCH = -1  # the module index of a REQUEST that asks for an earlier call's outputs
 _ORDER_END, _ORDER_ABORT = -1, -2  # TP task order: the step is over / TP rank 0 failed
 _TAG = 0x5E7
 
@@ -61,6 +63,10 @@ class _Call:
     out_leaves: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
     grad_in: list[torch.Tensor | None] | None = None
     structure: Any = None  # the REPLY's skeleton, unpickled
+    push: bool = True  # the REPLY carries the outputs (else they are fetched when used)
+    used: bool = False  # an output was resolved here (not only passed on by reference)
+    fetch_of: _Call | None = None  # a FETCH: the call whose outputs it brings
+    fetch: _Call | None = None  # the FETCH sent for this call's outputs
 
 
 class _Future(torch.Tensor):
@@ -87,6 +93,7 @@ class _Future(torch.Tensor):
 
     def _smp_value(self) -> torch.Tensor:
         call: _Call = self._smp_call
+        call.used = True
         if call.values is None:
             worker = getattr(_current, "worker", None)
             if worker is not call.worker:
@@ -94,7 +101,7 @@ class _Future(torch.Tensor):
                     f"smp: the output of module '{call.path}' (pipeline stage {call.owner}) was "
                     "used outside the step function's microbatch that called it, before it arrived"
                 )
-            call.worker.wait_for(call)
+            worker.runtime._await_values(call)
         return call.values[self._smp_slot]
 
 
@@ -158,6 +165,9 @@ class _Worker:
         self.backward_started = False
         self.completed = False  # served: GRAD_IN sent
         self.replied = False  # served: REPLY sent (its outputs are known)
+        self.push = True  # served: the REPLY carries the outputs
+        self.skeleton: torch.Tensor | None = None  # served: the outputs' skeleton
+        self.fetches: list[list[int]] = []  # served: REPLY headers of FETCHes waiting for it
         self.ref_inputs: list[tuple[int, _Worker, int]] = []  # (value index, producer, slot)
         self.ref_leaves: list[tuple[_Worker, int, torch.Tensor]] = []  # (producer, slot, leaf)
         self.deferred: list[_Worker] = []  # served calls waiting for this one's outputs
@@ -287,6 +297,8 @@ class PipelineRuntime:
         # Output structures of earlier calls: (module index, argument structure, grad) ->
         # (bytes, skeleton). Kept across steps; a key whose outputs changed is never predicted.
         self.predictions: dict[tuple, tuple[bytes, Any]] = {}
+        # Whether the caller used (resolved) a key's outputs the last time it finished a worker.
+        self.push_outputs: dict[tuple, bool] = {}
         self.unstable: set[tuple] = set()
         self._install_stubs()
         state.closers.append(self.close)
@@ -365,30 +377,55 @@ class PipelineRuntime:
         path = self.paths[index] or "<root>"
         call = _Call(call_id, owner, worker, grad, sent, [segments.edge_of(t) for t in sent], path)
         worker.calls.append(call)
-        header = [REQUEST, worker.microbatch, call_id, index, int(grad), len(refs)]
-        for slot, ref in refs:
-            header += [slot, ref.call_id, ref.slot]
         prediction = None
         if self.async_calls:
             call.key = (index, messages.structure(skeleton)[0], grad)
             prediction = self.predictions.get(call.key)
+            # Outputs only passed on by reference last time need not come back (FETCH if used).
+            call.push = prediction is None or self.push_outputs.get(call.key, True)
+        header = [REQUEST, worker.microbatch, call_id, index, int(grad), int(call.push)]
+        header.append(len(refs))
+        for slot, ref in refs:
+            header += [slot, ref.call_id, ref.slot]
         task_id = self.server.new_id()
         self.reply_tasks[task_id] = call
         self.server.expect(call_id, _C.TaskKind.RESUME, worker.microbatch, task_id)
-        self.transport.send(owner, header, [skeleton, *real])
+        # The arguments belong to the caller's code, which may modify them once this returns.
+        self.sender.send(owner, header, [skeleton, *real], wait=True)
         worker.new_interval()
         worker.replies_due += 1
         if prediction is None:  # synchronous: wait for the outputs
+            call.used = True  # handed to the caller's code as they are
             worker.wait_for(call)
             return messages.fill(call.structure, call.values)
         call.predicted, predicted = prediction
         n = len(messages.slots_of(predicted))
         return messages.fill(predicted, [_Future(call, i) for i in range(n)])
 
+    def _await_values(self, call: _Call) -> None:
+        """In ``call``'s worker: suspends until its outputs are here, fetching them from the
+        owner if its REPLY does not bring them."""
+        worker = call.worker
+        if not call.push and call.fetch is None:
+            fetch_id = next(self._call_ids)
+            call.fetch = _Call(fetch_id, call.owner, worker, False, [], [], call.path)
+            call.fetch.fetch_of = call
+            task_id = self.server.new_id()
+            self.reply_tasks[task_id] = call.fetch
+            self.server.expect(fetch_id, _C.TaskKind.RESUME, worker.microbatch, task_id)
+            worker.replies_due += 1
+            header = [REQUEST, worker.microbatch, fetch_id, _FETCH, 0, 1, 1, 0, call.call_id, -1]
+            self.sender.send(call.owner, header, [])
+        worker.wait_for(call.fetch or call)
+
     def _reply_arrived(self, call: _Call, message) -> None:
         """A REPLY: the call's outputs enter the caller's graph as boundary leaves."""
         worker = call.worker
         skeleton, tensors = message[2][0], message[2][1:]
+        if call.fetch_of is not None:  # the outputs of an earlier call, fetched
+            self._take_outputs(call.fetch_of, skeleton, tensors)
+            self._replied(worker, call)
+            return
         key, cleared = messages.structure(skeleton)
         if call.predicted is not None and key != call.predicted:
             self.unstable.add(call.key)
@@ -404,12 +441,19 @@ class PipelineRuntime:
         if call.key is not None and call.key not in self.unstable:
             self.predictions[call.key] = (key, cleared)
         call.structure = pickle.loads(skeleton.numpy().tobytes())
+        if call.push:
+            self._take_outputs(call, skeleton, tensors)
+        self._replied(worker, call)
+
+    def _take_outputs(self, call: _Call, skeleton, tensors) -> None:
         for slot, tensor in zip(messages.slots(skeleton), tensors):
             if slot.requires_grad and call.grad:
                 tensor.requires_grad_(True)
                 call.out_leaves.append((slot.index, tensor))
-                worker.boundary[id(tensor)] = tensor
+                call.worker.boundary[id(tensor)] = tensor
         call.values = list(tensors)
+
+    def _replied(self, worker: _Worker, call: _Call) -> None:
         worker.replies_due -= 1
         if worker.waiting is call:
             worker.waiting = None
@@ -433,6 +477,7 @@ class PipelineRuntime:
         self._call_ids = itertools.count()  # the same sequence on every TP rank of the stage
         self._stash = {}
         self.transport.start()
+        self.sender = Sender(self.transport, [s for s in range(self.num_stages) if s != self.stage])
         if self.order_transport is not None:
             self.order_transport.start()
         self.server = _C.PipelineServer(
@@ -463,6 +508,9 @@ class PipelineRuntime:
         finally:
             hook.remove()
             self._abort_workers()
+            send_error = self.sender.close()
+            if send_error is not None and (error is None or isinstance(error, _C.TransportError)):
+                error = send_error  # the cause; a transport error here followed from its abort
             try:
                 self.transport.finish()
                 if self.order_transport is not None and error is None:
@@ -489,7 +537,7 @@ class PipelineRuntime:
                 if leader:
                     for peer in range(self.num_stages):
                         if peer != self.stage:
-                            self.transport.send(peer, [STEP_END, self.backward_calls], [])
+                            self.sender.send(peer, [STEP_END, self.backward_calls], [])
                 else:
                     self.backward_calls = self.server.announced_backward_calls
                 return
@@ -598,6 +646,11 @@ class PipelineRuntime:
             self._on_finished(worker)
 
     def _on_finished(self, worker: _Worker) -> None:
+        used: dict[tuple, bool] = {}  # its code is done: whether it used each output is known
+        for call in worker.calls:
+            if call.key is not None:
+                used[call.key] = used.get(call.key, False) or call.used
+        self.push_outputs.update(used)
         if worker.served is not None:
             if not worker.replies_due:  # else when the last REPLY to its own calls arrives
                 self._reply(worker)
@@ -610,9 +663,13 @@ class PipelineRuntime:
         """REPLY of a served call: its forward and every call it made have finished."""
         caller, call_id = worker.served
         skeleton, tensors = messages.pack(worker.result)
-        worker.out_tensors = tensors
+        worker.out_tensors, worker.skeleton = tensors, skeleton
         worker.replied = True
-        self.transport.send(caller, [REPLY, worker.microbatch, call_id], [skeleton, *tensors])
+        reply = [REPLY, worker.microbatch, call_id]
+        self.sender.send(caller, reply, [skeleton, *tensors] if worker.push else [skeleton])
+        for fetch in worker.fetches:
+            self.sender.send(caller, fetch, [skeleton, *tensors])
+        worker.fetches = []
         if not worker.grad:
             worker.backward_done = True
         deferred, worker.deferred = worker.deferred, []
@@ -641,7 +698,16 @@ class PipelineRuntime:
 
     def _serve(self, worker_id: int, peer: int, header: list[int], tensors) -> None:
         """A REQUEST: runs the owned module's real forward on the caller's values, once every
-        output of this rank's earlier calls that it takes by reference is computed."""
+        output of this rank's earlier calls that it takes by reference is computed. A FETCH
+        sends the outputs of an earlier call, once it has them."""
+        if header[3] == _FETCH:
+            producer = self.served_calls[(peer, header[8])]
+            reply = [REPLY, header[1], header[2]]
+            if producer.replied:
+                self.sender.send(peer, reply, [producer.skeleton, *producer.out_tensors])
+            else:
+                producer.fetches.append(reply)
+            return
         self._start_when_ready(self._served_worker(worker_id, peer, header, tensors))
 
     def _start_when_ready(self, worker: _Worker) -> None:
@@ -652,13 +718,14 @@ class PipelineRuntime:
             self._start(worker)
 
     def _served_worker(self, worker_id: int, peer: int, header: list[int], tensors) -> _Worker:
-        mb, call_id, index, grad, n_refs = header[1:6]
-        refs = {header[6 + 3 * i]: (header[7 + 3 * i], header[8 + 3 * i]) for i in range(n_refs)}
+        mb, call_id, index, grad, push, n_refs = header[1:7]
+        refs = {header[7 + 3 * i]: (header[8 + 3 * i], header[9 + 3 * i]) for i in range(n_refs)}
         skeleton, payload = tensors[0], list(tensors[1:])
         worker = _Worker(self, mb, lambda: None, worker_id)
         worker.grad = bool(grad) and self.grad_enabled
         worker.awaiting = int(worker.grad)  # the caller's GRAD_OUT
         worker.served = (peer, call_id)
+        worker.push = bool(push)
         worker.module_path = self.paths[index] or "<root>"
         self.served_calls[(peer, call_id)] = worker
         self.workers[worker_id] = worker  # a GRAD_OUT may come before it starts
@@ -856,7 +923,7 @@ class PipelineRuntime:
                 self.grad_tasks[task_id] = call
                 worker.acks_due += 1
                 self.server.expect(call.call_id, _C.TaskKind.BACKWARD, worker.microbatch, task_id)
-                self.transport.send(
+                self.sender.send(
                     call.owner,
                     [GRAD_OUT, worker.microbatch, call.call_id, *(s for s, _ in out)],
                     [g for _, g in out],
@@ -888,7 +955,7 @@ class PipelineRuntime:
         caller, call_id = worker.served
         grads = [worker.leaf_grads.pop(id(leaf), None) for _, leaf in worker.input_leaves]
         present = [i for i, g in enumerate(grads) if g is not None]
-        self.transport.send(
+        self.sender.send(
             caller, [GRAD_IN, worker.microbatch, call_id, *present], [grads[i] for i in present]
         )
 

@@ -65,14 +65,20 @@ def _chain_worker(async_calls: bool, microbatches: int):
             "pipeline_async_calls": async_calls,
         }
     )
-    waits = [0]
+    waits, fetches = [0], [0]
     wait_for = runtime._Worker.wait_for
+    await_values = runtime.PipelineRuntime._await_values
 
     def counting_wait_for(self, call):
         waits[0] += 1
         return wait_for(self, call)
 
+    def counting_await_values(self, call):
+        fetches[0] += not call.push and call.fetch is None
+        return await_values(self, call)
+
     runtime._Worker.wait_for = counting_wait_for
+    runtime.PipelineRuntime._await_values = counting_await_values
     try:
         torch.manual_seed(0)
         reference = Chain()
@@ -90,14 +96,15 @@ def _chain_worker(async_calls: bool, microbatches: int):
             return loss
 
         g = torch.Generator().manual_seed(3)
-        waits_per_step = []
+        waits_per_step, fetches_per_step = [], []
         for step, variant in enumerate([0, 0, 1, 0, 1]):
             module.variant = reference.variant = variant
             x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
             optimizer.zero_grad()
-            waits[0] = 0
+            waits[0] = fetches[0] = 0
             loss = train_step(model, x, y).reduce_mean()
             waits_per_step.append(waits[0])
+            fetches_per_step.append(fetches[0])
             reference_optimizer.zero_grad()
             ref_loss = 0.0
             for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
@@ -108,21 +115,26 @@ def _chain_worker(async_calls: bool, microbatches: int):
             assert assert_owned_grads_match(model, reference, smp.pp_rank(), TOL) > 0
             optimizer.step()
             reference_optimizer.step()
-        return waits_per_step
+        return waits_per_step, fetches_per_step
     finally:
         runtime._Worker.wait_for = wait_for
+        runtime.PipelineRuntime._await_values = await_values
 
 
 @pytest.mark.parametrize("async_calls", [True, False])
 def test_chain_and_changing_calls_are_exact(pools, async_calls):
-    waits = pools.run(2, _chain_worker, async_calls, 4)[0]  # the leader's
+    waits, fetches = pools.run(2, _chain_worker, async_calls, 4)[0]  # the leader's
     if async_calls:
         # Step 1 repeats step 0's calls: every block call returns at once, and each microbatch
         # waits once, for the last block's output (the head is on this stage).
         assert waits[1] == 4, waits
         assert waits[3] == 4, waits  # after a step with other calls, as fast again
+        # Outputs passed on by reference in steps 0-1 are not sent back; in step 2 one of them
+        # (h1) is used on the leader and fetched, in some microbatch at least.
+        assert fetches[1] == 0 and fetches[2] > 0, fetches
     else:
         assert waits[1] == 4 * 4, waits  # one round trip per block call
+        assert not any(fetches), fetches
 
 
 class Flaky(nn.Module):

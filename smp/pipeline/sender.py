@@ -1,0 +1,75 @@
+"""Sending a step's pipeline messages without making the sender wait (design.md §4d).
+
+``Transport.send`` returns only when the peer has taken every part of the message; on gloo that
+includes waking the peer's receiver thread, which costs milliseconds when every core is busy
+computing. :class:`Sender` hands each message to one thread per peer, which sends them in the
+order they were given (so each channel stays FIFO), while the caller goes on computing.
+
+The tensors of a message must not be modified in place until it is sent: the runtime sends
+asynchronously only tensors it owns (a served call's outputs, gradients); a call's arguments,
+which belong to the user's code, are sent with ``wait=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+
+__all__ = ["Sender"]
+
+
+class Sender:
+    """One sending thread per peer of a started ``smp._C.Transport``, for one step."""
+
+    def __init__(self, transport, peers: list[int]):
+        self.transport = transport
+        self.error: BaseException | None = None
+        self._queues = {peer: queue.SimpleQueue() for peer in peers}
+        self._threads = [
+            threading.Thread(target=self._run, args=(peer,), daemon=True, name=f"smp-send{peer}")
+            for peer in peers
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def send(self, peer: int, header: list[int], tensors: list, wait: bool = False) -> None:
+        """Queues a message for ``peer``; with ``wait``, returns once it has been sent.
+
+        Raises the first error of an earlier send (the transport is aborted then).
+        """
+        if self.error is not None:
+            raise self.error
+        done = threading.Event() if wait else None
+        self._queues[peer].put((header, tensors, done))
+        if done is not None:
+            done.wait()  # bounded: Transport.send fails after its timeout
+            if self.error is not None:
+                raise self.error
+
+    def close(self) -> BaseException | None:
+        """Waits until every queued message has been sent (or failed), ends the threads, and
+        returns the first send error (None if all went out)."""
+        for q in self._queues.values():
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+        return self.error
+
+    def _run(self, peer: int) -> None:
+        q = self._queues[peer]
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            header, tensors, done = item
+            if self.error is None:
+                try:
+                    self.transport.send(peer, header, tensors)
+                except BaseException as exc:  # noqa: BLE001 - raised by the next send or close
+                    self.error = exc
+                    # The server may be waiting for a message that now cannot come.
+                    with contextlib.suppress(Exception):
+                        self.transport.abort()
+            if done is not None:
+                done.set()

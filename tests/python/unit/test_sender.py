@@ -1,0 +1,72 @@
+"""smp.pipeline.sender.Sender: per-peer FIFO order, waiting sends, and the first error raised
+by the next send and returned by close (with the transport aborted)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from smp.pipeline.sender import Sender
+
+
+class FakeTransport:
+    def __init__(self, fail_on: int | None = None, gate: threading.Event | None = None):
+        self.sent: list[tuple[int, list[int]]] = []
+        self.fail_on = fail_on
+        self.gate = gate
+        self.aborted = False
+        self.lock = threading.Lock()
+
+    def send(self, peer, header, tensors):
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if header[0] == self.fail_on:
+            raise RuntimeError(f"peer {peer} is gone")
+        with self.lock:
+            self.sent.append((peer, list(header)))
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_messages_to_each_peer_keep_their_order():
+    transport = FakeTransport()
+    sender = Sender(transport, [1, 2])
+    for i in range(50):
+        sender.send(1 + i % 2, [i], [torch.zeros(3)])
+    assert sender.close() is None
+    for peer in (1, 2):
+        got = [h[0] for p, h in transport.sent if p == peer]
+        assert got == [i for i in range(50) if 1 + i % 2 == peer]
+
+
+def test_send_returns_before_the_message_is_taken_unless_asked_to_wait():
+    gate = threading.Event()
+    transport = FakeTransport(gate=gate)
+    sender = Sender(transport, [1])
+    sender.send(1, [0], [])  # returns although the transport is blocked
+    assert transport.sent == []
+    waiter = threading.Thread(target=sender.send, args=(1, [1], []), kwargs={"wait": True})
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # waits for its message, behind the first
+    gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert [h for _, h in transport.sent] == [[0], [1]]
+    assert sender.close() is None
+
+
+def test_a_failed_send_is_raised_by_the_next_send_and_returned_by_close():
+    transport = FakeTransport(fail_on=7)
+    sender = Sender(transport, [1])
+    with pytest.raises(RuntimeError, match="peer 1 is gone"):
+        sender.send(1, [7], [], wait=True)
+    assert transport.aborted
+    with pytest.raises(RuntimeError, match="peer 1 is gone"):
+        sender.send(1, [8], [])
+    error = sender.close()
+    assert isinstance(error, RuntimeError) and "peer 1 is gone" in str(error)
+    assert transport.sent == []  # nothing after the failure went out
