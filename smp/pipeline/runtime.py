@@ -390,8 +390,10 @@ class PipelineRuntime:
         task_id = self.server.new_id()
         self.reply_tasks[task_id] = call
         self.server.expect(call_id, _C.TaskKind.RESUME, worker.microbatch, task_id)
-        # The arguments belong to the caller's code, which may modify them once this returns.
-        self.sender.send(owner, header, [skeleton, *real], wait=True)
+        # The arguments belong to the caller's code, which may modify them in place once this
+        # returns: the message carries copies (cheaper than waiting for the peer to take it).
+        payload = [t.detach().clone() for t in real]
+        self.sender.send(owner, header, [skeleton, *payload])
         worker.new_interval()
         worker.replies_due += 1
         if prediction is None:  # synchronous: wait for the outputs

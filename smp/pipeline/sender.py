@@ -6,8 +6,8 @@ computing. :class:`Sender` hands each message to one thread per peer, which send
 order they were given (so each channel stays FIFO), while the caller goes on computing.
 
 The tensors of a message must not be modified in place until it is sent: the runtime sends
-asynchronously only tensors it owns (a served call's outputs, gradients); a call's arguments,
-which belong to the user's code, are sent with ``wait=True``.
+asynchronously only tensors it owns (a served call's outputs, gradients, and copies of a call's
+arguments, which belong to the user's code). ``wait=True`` is there for a caller that cannot copy.
 """
 
 from __future__ import annotations
