@@ -18,7 +18,7 @@ void PipelineServer::expect(int64_t call_id, TaskKind kind, int microbatch, int6
   SMP_CHECK(kind == TaskKind::kResume || kind == TaskKind::kBackward,
             "PipelineServer::expect: kind must be a resume or a backward");
   (void)microbatch;  // the message carries it; kept in the signature for symmetry with push
-  expected_[call_id] = {kind, worker_id};
+  expected_[{call_id, kind}] = worker_id;
 }
 
 void PipelineServer::dispatch(Message message) {
@@ -38,10 +38,13 @@ void PipelineServer::dispatch(Message message) {
     case MessageKind::kGradIn: {
       const int microbatch = static_cast<int>(message.header.at(1));
       const int64_t call_id = message.header.at(2);
-      auto it = expected_.find(call_id);
-      SMP_INTERNAL_ASSERT(it != expected_.end(), "unexpected reply or gradient for call ", call_id,
+      const TaskKind task_kind =
+          kind == MessageKind::kReply ? TaskKind::kResume : TaskKind::kBackward;
+      auto it = expected_.find({call_id, task_kind});
+      SMP_INTERNAL_ASSERT(it != expected_.end(), "unexpected ",
+                          kind == MessageKind::kReply ? "reply" : "gradient", " for call ", call_id,
                           " from stage ", message.peer);
-      const auto [task_kind, worker] = it->second;
+      const int64_t worker = it->second;
       expected_.erase(it);
       pending_[worker] = std::move(message);
       policy_.push(task_kind, microbatch, worker);

@@ -51,10 +51,13 @@ class TensorSlot:
 
 @dataclasses.dataclass(frozen=True)
 class Ref:
-    """A tensor the receiver holds already: output ``slot`` of the call ``call_id`` it served."""
+    """A tensor the sender does not send: output ``slot`` of its call ``call_id``, which the
+    receiver served (``stage`` −1) or which pipeline stage ``stage`` served (the receiver fetches
+    it from there)."""
 
     call_id: int
     slot: int
+    stage: int = -1
 
 
 def _strip(value: Any, tensors: list, resolve=None) -> Any:

@@ -69,6 +69,20 @@ class _Call:
     fetch: _Call | None = None  # the FETCH sent for this call's outputs
 
 
+@dataclasses.dataclass
+class _PeerFetch:
+    """A served call's input that the caller passed by reference to an output of a third stage:
+    fetched from that stage, whose call gets this input's gradient back (design.md §4d)."""
+
+    worker: Any  # the served call that takes it
+    index: int  # its position among the served call's input values
+    stage: int  # the stage that computed it
+    fetch_id: int
+    out_slot: int
+    values: list  # the served call's input values, filled in place
+    leaf: torch.Tensor | None = None
+
+
 class _Future(torch.Tensor):
     """An output of an asynchronous remote call (design.md §4c) before or after it arrives.
 
@@ -167,9 +181,12 @@ class _Worker:
         self.replied = False  # served: REPLY sent (its outputs are known)
         self.push = True  # served: the REPLY carries the outputs
         self.skeleton: torch.Tensor | None = None  # served: the outputs' skeleton
-        self.fetches: list[list[int]] = []  # served: REPLY headers of FETCHes waiting for it
+        # served: FETCHes waiting for its outputs, (stage, REPLY header, output slot or -1)
+        self.fetches: list[tuple[int, list[int], int]] = []
         self.ref_inputs: list[tuple[int, _Worker, int]] = []  # (value index, producer, slot)
         self.ref_leaves: list[tuple[_Worker, int, torch.Tensor]] = []  # (producer, slot, leaf)
+        self.peer_inputs: list[_PeerFetch] = []  # served: inputs fetched from a third stage
+        self.fetches_due = 0  # served: of those, not arrived yet
         self.deferred: list[_Worker] = []  # served calls waiting for this one's outputs
         self.waiting: _Call | None = None  # the call whose REPLY this suspended worker awaits
         self.replies_due = 0  # calls whose REPLY has not arrived
@@ -294,6 +311,9 @@ class PipelineRuntime:
         self._call_ids = itertools.count()
         self.grad_enabled = True
         self.async_calls = bool(getattr(state.config, "pipeline_async_calls", True))
+        # An output of one stage passed to a call on another goes there directly (not with TP:
+        # the TP ranks of a stage order their tasks through TP rank 0's, keyed by call ids).
+        self.forward_direct = self.async_calls and self.order_group is None
         # Output structures of earlier calls: (module index, argument structure, grad) ->
         # (bytes, skeleton). Kept across steps; a key whose outputs changed is never predicted.
         self.predictions: dict[tuple, tuple[bytes, Any]] = {}
@@ -364,8 +384,11 @@ class PipelineRuntime:
         def resolve(tensor):
             if isinstance(tensor, _Future):
                 call = tensor._smp_call
-                if call.owner == owner and call.worker.runtime is self:
-                    return messages.Ref(call.call_id, tensor._smp_slot)
+                if call.worker.runtime is self:
+                    if call.owner == owner:
+                        return messages.Ref(call.call_id, tensor._smp_slot)
+                    if self.forward_direct and call.values is None:
+                        return messages.Ref(call.call_id, tensor._smp_slot, call.owner)
                 return tensor._smp_value()
             return tensor
 
@@ -386,7 +409,7 @@ class PipelineRuntime:
         header = [REQUEST, worker.microbatch, call_id, index, int(grad), int(call.push)]
         header.append(len(refs))
         for slot, ref in refs:
-            header += [slot, ref.call_id, ref.slot]
+            header += [slot, ref.stage, ref.call_id, ref.slot]
         task_id = self.server.new_id()
         self.reply_tasks[task_id] = call
         self.server.expect(call_id, _C.TaskKind.RESUME, worker.microbatch, task_id)
@@ -416,12 +439,27 @@ class PipelineRuntime:
             self.reply_tasks[task_id] = call.fetch
             self.server.expect(fetch_id, _C.TaskKind.RESUME, worker.microbatch, task_id)
             worker.replies_due += 1
-            header = [REQUEST, worker.microbatch, fetch_id, _FETCH, 0, 1, 1, 0, call.call_id, -1]
+            header = [
+                REQUEST,
+                worker.microbatch,
+                fetch_id,
+                _FETCH,
+                0,
+                1,
+                1,
+                0,
+                -1,
+                call.call_id,
+                -1,
+            ]
             self.sender.send(call.owner, header, [])
         worker.wait_for(call.fetch or call)
 
     def _reply_arrived(self, call: _Call, message) -> None:
         """A REPLY: the call's outputs enter the caller's graph as boundary leaves."""
+        if isinstance(call, _PeerFetch):
+            self._peer_input_arrived(call, message)
+            return
         worker = call.worker
         skeleton, tensors = message[2][0], message[2][1:]
         if call.fetch_of is not None:  # the outputs of an earlier call, fetched
@@ -491,6 +529,7 @@ class PipelineRuntime:
         self.grad_tasks: dict[int, _Call] = {}  # task id -> call awaiting its GRAD_IN
         self.reply_tasks: dict[int, _Call] = {}  # task id -> call awaiting its REPLY
         self.served_calls: dict[tuple[int, int], _Worker] = {}  # (caller stage, call id)
+        self.early_fetches: dict[tuple[int, int], list] = {}  # (caller stage, call id) -> FETCHes
         self.step_workers: dict[int, _Worker] = {}  # microbatch -> leader worker
         self.backward_calls = 0
         self.done_mb: set[int] = set()
@@ -669,8 +708,10 @@ class PipelineRuntime:
         worker.replied = True
         reply = [REPLY, worker.microbatch, call_id]
         self.sender.send(caller, reply, [skeleton, *tensors] if worker.push else [skeleton])
-        for fetch in worker.fetches:
-            self.sender.send(caller, fetch, [skeleton, *tensors])
+        for stage, fetch, slot in worker.fetches:
+            self.sender.send(
+                stage, fetch, [skeleton, *(tensors if slot < 0 else tensors[slot : slot + 1])]
+            )
         worker.fetches = []
         if not worker.grad:
             worker.backward_done = True
@@ -700,19 +741,59 @@ class PipelineRuntime:
 
     def _serve(self, worker_id: int, peer: int, header: list[int], tensors) -> None:
         """A REQUEST: runs the owned module's real forward on the caller's values, once every
-        output of this rank's earlier calls that it takes by reference is computed. A FETCH
-        sends the outputs of an earlier call, once it has them."""
+        output of this rank's earlier calls that it takes by reference is computed and every
+        input fetched from a third stage is here. A FETCH (``[REQUEST, mb, fetch id, -1, grad,
+        1, 1, 0, caller, call id, slot]``) asks for the outputs of a call this rank served: from
+        its caller (caller -1) all of them, from a third stage output ``slot``; they are sent
+        once known."""
         if header[3] == _FETCH:
-            producer = self.served_calls[(peer, header[8])]
-            reply = [REPLY, header[1], header[2]]
-            if producer.replied:
-                self.sender.send(peer, reply, [producer.skeleton, *producer.out_tensors])
-            else:
-                producer.fetches.append(reply)
+            caller, call_id = header[8], header[9]
+            if caller < 0:
+                caller = peer
+            producer = self.served_calls.get((caller, call_id))
+            if producer is None:  # the third stage's FETCH overtook the caller's REQUEST
+                self.early_fetches.setdefault((caller, call_id), []).append(
+                    (worker_id, peer, header)
+                )
+                return
+            self._answer_fetch(producer, worker_id, peer, header)
             return
         self._start_when_ready(self._served_worker(worker_id, peer, header, tensors))
 
+    def _answer_fetch(
+        self, producer: _Worker, worker_id: int, peer: int, header: list[int]
+    ) -> None:
+        slot = header[10]
+        if header[4]:  # the third stage's consumer will send this output's gradient (GRAD_OUT)
+            if producer.backward_started:
+                raise RuntimeError(
+                    f"smp: an output of module '{producer.module_path}' was passed on after the "
+                    "backward of its microbatch began"
+                )
+            producer.awaiting += 1
+            self.workers[worker_id] = producer
+        reply = [REPLY, header[1], header[2]]
+        if producer.replied:
+            tensors = producer.out_tensors if slot < 0 else producer.out_tensors[slot : slot + 1]
+            self.sender.send(peer, reply, [producer.skeleton, *tensors])
+        else:
+            producer.fetches.append((peer, reply, slot))
+
+    def _peer_input_arrived(self, fetch: _PeerFetch, message) -> None:
+        """REPLY to a served call's FETCH from a third stage: one input value."""
+        worker = fetch.worker
+        skeleton, value = message[2][0], message[2][1]
+        if worker.grad and messages.slots(skeleton)[fetch.out_slot].requires_grad:
+            value.requires_grad_(True)
+            worker.boundary[id(value)] = value
+            fetch.leaf = value
+        fetch.values[fetch.index] = value
+        worker.fetches_due -= 1
+        self._start_when_ready(worker)
+
     def _start_when_ready(self, worker: _Worker) -> None:
+        if worker.fetches_due:
+            return  # started when the last one arrives
         busy = [p for _, p, _ in worker.ref_inputs if not p.replied]
         if busy:
             busy[0].deferred.append(worker)  # checked again when that one finishes
@@ -721,7 +802,7 @@ class PipelineRuntime:
 
     def _served_worker(self, worker_id: int, peer: int, header: list[int], tensors) -> _Worker:
         mb, call_id, index, grad, push, n_refs = header[1:7]
-        refs = {header[7 + 3 * i]: (header[8 + 3 * i], header[9 + 3 * i]) for i in range(n_refs)}
+        refs = {header[7 + 4 * i]: tuple(header[8 + 4 * i : 11 + 4 * i]) for i in range(n_refs)}
         skeleton, payload = tensors[0], list(tensors[1:])
         worker = _Worker(self, mb, lambda: None, worker_id)
         worker.grad = bool(grad) and self.grad_enabled
@@ -734,14 +815,30 @@ class PipelineRuntime:
         values: list[Any] = []
         slots = messages.slots(skeleton)
         for slot in slots:
-            if slot.index in refs:
-                producer = self.served_calls[(peer, refs[slot.index][0])]
+            if slot.index in refs and refs[slot.index][0] >= 0:  # computed on a third stage
+                stage, ref_call_id, out_slot = refs[slot.index]
+                fetch_id = next(self._call_ids)
+                fetch = _PeerFetch(worker, len(values), stage, fetch_id, out_slot, values)
+                task_id = self.server.new_id()
+                self.reply_tasks[task_id] = fetch
+                self.server.expect(fetch_id, _C.TaskKind.RESUME, mb, task_id)
+                self.sender.send(
+                    stage,
+                    [REQUEST, mb, fetch_id, _FETCH, int(worker.grad), 1, 1, 0, peer, ref_call_id,
+                     out_slot],
+                    [],
+                )  # fmt: skip
+                worker.peer_inputs.append(fetch)
+                worker.fetches_due += 1
+                values.append(None)
+            elif slot.index in refs:
+                producer = self.served_calls[(peer, refs[slot.index][1])]
                 if producer.backward_started:
                     raise RuntimeError(
                         f"smp: an output of module '{producer.module_path}' was passed to "
                         f"'{worker.module_path}' after the backward of its microbatch began"
                     )
-                worker.ref_inputs.append((len(values), producer, refs[slot.index][1]))
+                worker.ref_inputs.append((len(values), producer, refs[slot.index][2]))
                 if worker.grad:
                     producer.awaiting += 1
                 values.append(None)  # filled when the worker starts (the producer may be busy)
@@ -770,6 +867,8 @@ class PipelineRuntime:
             return _resolve_results(module(*args, **kwargs))
 
         worker.target = target
+        for waiting in self.early_fetches.pop((peer, call_id), []):
+            self._answer_fetch(worker, *waiting)
         return worker
 
     def _gradients_arrived(self, worker: _Worker, peer: int, header: list[int], tensors) -> None:
@@ -946,6 +1045,18 @@ class PipelineRuntime:
         for _, producer, _ in worker.ref_inputs:
             producer.awaiting -= 1
             self._maybe_served_backward(producer)
+        for fetch in worker.peer_inputs:  # the third stage waits for this share, even empty
+            grad = worker.leaf_grads.pop(id(fetch.leaf), None) if fetch.leaf is not None else None
+            self.sender.send(
+                fetch.stage,
+                [
+                    GRAD_OUT,
+                    worker.microbatch,
+                    fetch.fetch_id,
+                    *([fetch.out_slot] if grad is not None else []),
+                ],
+                [] if grad is None else [grad],
+            )
         self._maybe_served_complete(worker)
 
     def _maybe_served_complete(self, worker: _Worker) -> None:

@@ -91,10 +91,12 @@ class PipelineServer {
   bool is_leader_;
   bool ended_ = false;
   int64_t announced_backward_calls_ = 0;
-  int64_t next_id_ = 1 << 20;                                 // above any microbatch index
-  std::map<int64_t, std::pair<TaskKind, int64_t>> expected_;  // call id -> (kind, worker)
-  std::map<std::pair<int, int64_t>, int64_t> served_;         // (peer, call id) -> worker
-  std::map<int64_t, Message> pending_;                        // worker -> message
+  int64_t next_id_ = 1 << 20;  // above any microbatch index
+  // (call id, kind) -> worker. Keyed by kind too: a caller may send GRAD_OUT for a call whose
+  // outputs it only passed on before their REPLY has arrived.
+  std::map<std::pair<int64_t, TaskKind>, int64_t> expected_;
+  std::map<std::pair<int, int64_t>, int64_t> served_;  // (peer, call id) -> worker
+  std::map<int64_t, Message> pending_;                 // worker -> message
 };
 
 }  // namespace smp::pytorch

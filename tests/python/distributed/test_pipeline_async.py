@@ -213,3 +213,137 @@ def test_changed_output_structure_fails_the_step_then_runs_synchronously(pools):
         assert "module 'flaky'" in message, message
         assert "tuple(Tensor, Tensor)" in message and "tuple(Tensor)" in message, message
         assert "pipeline_async_calls" in message, message
+
+
+class FourStages(nn.Module):
+    """``a`` and ``head`` on stage 0, ``b1`` and ``b4`` on stage 1, ``b2`` on 2, ``b3`` on 3.
+
+    Variant 0 is a chain whose activations go 1 -> 2 -> 3 -> 1 -> 0; in variant 1 the output of
+    ``b1`` has consumers on stage 2, on its own stage (by reference) and on the leader."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b1, self.b2, self.b3, self.b4 = (Block() for _ in range(4))
+        self.head = nn.Linear(16, 3)
+        self.variant = 0
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.variant == 0:
+            return self.head(self.b4(self.b3(self.b2(self.b1(h)))))
+        u = self.b1(h)
+        v = self.b2(u)
+        z = self.b3(self.b4(u))
+        return self.head(u + v + z)
+
+
+def _four_stage_worker(microbatches: int):
+    import smp
+    from smp.pipeline import runtime
+
+    smp.init({"pipeline_parallel_degree": 4, "microbatches": microbatches, "timeout_s": 60})
+    counts = {"waits": 0, "fetches": 0, "peer_inputs": 0, "overtaken": 0}
+    hold = [False]
+    held: dict[int, tuple] = {}
+    fetched: set[int] = set()
+    saved = (
+        runtime._Worker.wait_for,
+        runtime.PipelineRuntime._await_values,
+        runtime.PipelineRuntime._peer_input_arrived,
+        runtime.PipelineRuntime._serve,
+    )
+    wait_for, await_values, peer_input_arrived, serve = saved
+
+    def counting_wait_for(self, call):
+        counts["waits"] += 1
+        return wait_for(self, call)
+
+    def counting_await_values(self, call):
+        counts["fetches"] += not call.push and call.fetch is None
+        return await_values(self, call)
+
+    def counting_peer_input_arrived(self, fetch, message):
+        counts["peer_inputs"] += 1
+        return peer_input_arrived(self, fetch, message)
+
+    def reordering_serve(self, worker_id, peer, header, tensors):
+        # While ``hold`` is set, stage 1 takes each of the leader's REQUESTs for b1 only after
+        # stage 2's FETCH of its outputs: the FETCH overtakes the REQUEST, every time.
+        if hold[0] and peer == 0 and header[3] == self.index_of["b1"]:
+            if header[2] not in fetched:
+                held[header[2]] = (worker_id, peer, header, tensors)
+                return
+            counts["overtaken"] += 1
+        serve(self, worker_id, peer, header, tensors)
+        if hold[0] and header[3] == runtime._FETCH and header[8] == 0:
+            fetched.add(header[9])
+            if header[9] in held:
+                counts["overtaken"] += 1
+                serve(self, *held.pop(header[9]))
+
+    runtime._Worker.wait_for = counting_wait_for
+    runtime.PipelineRuntime._await_values = counting_await_values
+    runtime.PipelineRuntime._peer_input_arrived = counting_peer_input_arrived
+    runtime.PipelineRuntime._serve = reordering_serve
+    try:
+        torch.manual_seed(0)
+        reference = FourStages()
+        torch.manual_seed(0)
+        module = FourStages()
+        for name, stage in [("a", 0), ("head", 0), ("b1", 1), ("b4", 1), ("b2", 2), ("b3", 3)]:
+            smp.set_partition(getattr(module, name), stage)
+        model = smp.DistributedModel(module)
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+        @smp.step
+        def train_step(model, x, y):
+            loss = F.cross_entropy(model(x), y)
+            model.backward(loss)
+            return loss
+
+        g = torch.Generator().manual_seed(7)
+        per_step = []
+        for step, variant in enumerate([0, 0, 0, 1, 1, 0]):
+            module.variant = reference.variant = variant
+            hold[0] = step == 2 and smp.pp_rank() == 1
+            x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+            optimizer.zero_grad()
+            counts.update(waits=0, fetches=0, peer_inputs=0, overtaken=0)
+            loss = train_step(model, x, y).reduce_mean()
+            per_step.append(dict(counts))
+            reference_optimizer.zero_grad()
+            ref_loss = 0.0
+            for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+                mb_loss = F.cross_entropy(reference(xs), ys) / microbatches
+                mb_loss.backward()
+                ref_loss += mb_loss.item()
+            assert abs(loss.item() - ref_loss) < 1e-5, (step, loss.item(), ref_loss)
+            assert assert_owned_grads_match(model, reference, smp.pp_rank(), TOL) > 0
+            optimizer.step()
+            reference_optimizer.step()
+        assert not held
+        return per_step
+    finally:
+        (
+            runtime._Worker.wait_for,
+            runtime.PipelineRuntime._await_values,
+            runtime.PipelineRuntime._peer_input_arrived,
+            runtime.PipelineRuntime._serve,
+        ) = saved
+
+
+def test_outputs_go_straight_to_the_stage_that_consumes_them(pools):
+    m = 4
+    per_rank = pools.run(4, _four_stage_worker, m)
+    leader, stage1, stage2, stage3 = per_rank
+    # Step 1 repeats step 0's calls: the leader waits once per microbatch (for b4's output, which
+    # the head needs) and fetches nothing; each block's input comes from the stage before it.
+    assert leader[1]["waits"] == m and leader[1]["fetches"] == 0, leader
+    assert [s[1]["peer_inputs"] for s in (stage1, stage2, stage3)] == [m, m, m], per_rank
+    # Step 2: every FETCH of b1's outputs reached stage 1 before the REQUEST that computes them.
+    assert stage1[2]["overtaken"] == m, stage1
+    # Variant 1 (steps 3, 4): b1's output goes to stage 2 directly and b4 by reference; after
+    # step 3 the leader fetches it only because it uses it itself.
+    assert stage2[4]["peer_inputs"] == m and stage3[4]["peer_inputs"] == m, per_rank
