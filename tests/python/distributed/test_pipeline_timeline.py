@@ -35,6 +35,9 @@ def _timeline_worker(tmp: str, schedule: str) -> dict:
     return {
         "program": timeline.program(),
         "spans": {r: [(a.start, a.end) for a in acts] for r, acts in timeline.ranks.items()},
+        "pieces_by_action": {
+            r: [(a.action, a.start, a.end) for a in acts] for r, acts in timeline.ranks.items()
+        },
         "events": len([e for e in trace["traceEvents"] if e["ph"] == "X"]),
         "pieces": sum(len(a) for a in timeline.ranks.values()),
         "summary": timeline.summary(),
@@ -57,3 +60,26 @@ def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, sched
         for mb in range(4):
             assert program.index(f"{rank}F{mb}") < program.index(f"{rank}B{mb}")
     assert r["events"] == r["pieces"]
+    _check_causality(r["pieces_by_action"], microbatches=4)
+
+
+def _check_causality(ranks: dict, microbatches: int, skew: float = 1e-3) -> None:
+    """What the module server's messages impose on the recorded pieces (times are wall-clock
+    across processes on one machine; ``skew`` allows for the per-rank clock offsets): a stage
+    starts a microbatch only after the leader (which runs the root's forward) has started it;
+    another stage's backward of a microbatch starts after all its forward pieces of it ended (on
+    the leader, the step function goes on after ``model.backward``); and the leader's backward
+    of a microbatch ends last, after every other stage's (GRAD_IN)."""
+
+    def pieces(rank, kind, mb):
+        return [(s, e) for a, s, e in ranks[rank] if a == f"{rank}{kind}{mb}"]
+
+    for mb in range(microbatches):
+        leader_forward = pieces(0, "F", mb)
+        leader_backward = pieces(0, "B", mb)
+        for rank in ranks:
+            forward, backward = pieces(rank, "F", mb), pieces(rank, "B", mb)
+            assert forward[0][0] >= leader_forward[0][0] - skew, (rank, mb, ranks)
+            if rank != 0:
+                assert max(e for _, e in forward) <= backward[0][0] + skew, (rank, mb, ranks)
+            assert max(e for _, e in backward) <= leader_backward[-1][1] + skew, (rank, mb, ranks)
