@@ -54,6 +54,48 @@ def _place(model: Chain, smp) -> None:
         smp.set_partition(block, 1)
 
 
+def _exact_steps(smp, make, place, variants, seed, microbatches, before_step, after_step) -> list:
+    """Trains ``make()`` under smp (placed by ``place(module)``) and a single-process reference
+    copy with SGD, one step per entry of ``variants`` (both models' ``variant`` for that step),
+    checking the loss and every owned gradient each step. Calls ``before_step(step)`` before and
+    returns ``after_step(step)`` after each smp step."""
+    torch.manual_seed(0)
+    reference = make()
+    torch.manual_seed(0)
+    module = make()
+    place(module)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step, variant in enumerate(variants):
+        module.variant = reference.variant = variant
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+        optimizer.zero_grad()
+        before_step(step)
+        loss = train_step(model, x, y).reduce_mean()
+        out.append(after_step(step))
+        reference_optimizer.zero_grad()
+        ref_loss = 0.0
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            mb_loss = F.cross_entropy(reference(xs), ys) / microbatches
+            mb_loss.backward()
+            ref_loss += mb_loss.item()
+        assert abs(loss.item() - ref_loss) < 1e-5, (step, loss.item(), ref_loss)
+        assert assert_owned_grads_match(model, reference, smp.pp_rank(), TOL) > 0
+        optimizer.step()
+        reference_optimizer.step()
+    return out
+
+
 def _chain_worker(async_calls: bool, microbatches: int):
     import smp
     from smp.pipeline import runtime
@@ -80,42 +122,12 @@ def _chain_worker(async_calls: bool, microbatches: int):
     runtime._Worker.wait_for = counting_wait_for
     runtime.PipelineRuntime._await_values = counting_await_values
     try:
-        torch.manual_seed(0)
-        reference = Chain()
-        torch.manual_seed(0)
-        module = Chain()
-        _place(module, smp)
-        model = smp.DistributedModel(module)
-        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-
-        @smp.step
-        def train_step(model, x, y):
-            loss = F.cross_entropy(model(x), y)
-            model.backward(loss)
-            return loss
-
-        g = torch.Generator().manual_seed(3)
-        waits_per_step, fetches_per_step = [], []
-        for step, variant in enumerate([0, 0, 1, 0, 1]):
-            module.variant = reference.variant = variant
-            x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
-            optimizer.zero_grad()
-            waits[0] = fetches[0] = 0
-            loss = train_step(model, x, y).reduce_mean()
-            waits_per_step.append(waits[0])
-            fetches_per_step.append(fetches[0])
-            reference_optimizer.zero_grad()
-            ref_loss = 0.0
-            for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
-                mb_loss = F.cross_entropy(reference(xs), ys) / microbatches
-                mb_loss.backward()
-                ref_loss += mb_loss.item()
-            assert abs(loss.item() - ref_loss) < 1e-5, (step, loss.item(), ref_loss)
-            assert assert_owned_grads_match(model, reference, smp.pp_rank(), TOL) > 0
-            optimizer.step()
-            reference_optimizer.step()
-        return waits_per_step, fetches_per_step
+        per_step = _exact_steps(
+            smp, Chain, lambda m: _place(m, smp), [0, 0, 1, 0, 1], 3, microbatches,
+            lambda step: waits.__setitem__(0, 0) or fetches.__setitem__(0, 0),
+            lambda step: (waits[0], fetches[0]),
+        )  # fmt: skip
+        return [w for w, _ in per_step], [f for _, f in per_step]
     finally:
         runtime._Worker.wait_for = wait_for
         runtime.PipelineRuntime._await_values = await_values
@@ -286,43 +298,20 @@ def _four_stage_worker(microbatches: int):
     runtime.PipelineRuntime._await_values = counting_await_values
     runtime.PipelineRuntime._peer_input_arrived = counting_peer_input_arrived
     runtime.PipelineRuntime._serve = reordering_serve
-    try:
-        torch.manual_seed(0)
-        reference = FourStages()
-        torch.manual_seed(0)
-        module = FourStages()
+
+    def place(module):
         for name, stage in [("a", 0), ("head", 0), ("b1", 1), ("b4", 1), ("b2", 2), ("b3", 3)]:
             smp.set_partition(getattr(module, name), stage)
-        model = smp.DistributedModel(module)
-        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
 
-        @smp.step
-        def train_step(model, x, y):
-            loss = F.cross_entropy(model(x), y)
-            model.backward(loss)
-            return loss
+    def before_step(step):
+        hold[0] = step == 2 and smp.pp_rank() == 1
+        counts.update(waits=0, fetches=0, peer_inputs=0, overtaken=0)
 
-        g = torch.Generator().manual_seed(7)
-        per_step = []
-        for step, variant in enumerate([0, 0, 0, 1, 1, 0]):
-            module.variant = reference.variant = variant
-            hold[0] = step == 2 and smp.pp_rank() == 1
-            x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
-            optimizer.zero_grad()
-            counts.update(waits=0, fetches=0, peer_inputs=0, overtaken=0)
-            loss = train_step(model, x, y).reduce_mean()
-            per_step.append(dict(counts))
-            reference_optimizer.zero_grad()
-            ref_loss = 0.0
-            for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
-                mb_loss = F.cross_entropy(reference(xs), ys) / microbatches
-                mb_loss.backward()
-                ref_loss += mb_loss.item()
-            assert abs(loss.item() - ref_loss) < 1e-5, (step, loss.item(), ref_loss)
-            assert assert_owned_grads_match(model, reference, smp.pp_rank(), TOL) > 0
-            optimizer.step()
-            reference_optimizer.step()
+    try:
+        per_step = _exact_steps(
+            smp, FourStages, place, [0, 0, 0, 1, 1, 0], 7, microbatches, before_step,
+            lambda step: dict(counts),
+        )  # fmt: skip
         assert not held
         return per_step
     finally:
