@@ -57,8 +57,10 @@ def _place(model: Chain, smp) -> None:
 def _exact_steps(smp, make, place, variants, seed, microbatches, before_step, after_step) -> list:
     """Trains ``make()`` under smp (placed by ``place(module)``) and a single-process reference
     copy with SGD, one step per entry of ``variants`` (both models' ``variant`` for that step),
-    checking the loss and every owned gradient each step. Calls ``before_step(step)`` before and
-    returns ``after_step(step)`` after each smp step."""
+    checking the loss and every owned gradient each step. Calls ``before_step(step, module)``
+    before and returns ``after_step(step)`` after each smp step. A variant of None is a step
+    that must fail (on every rank); it returns the error's text and leaves the models as they
+    were."""
     torch.manual_seed(0)
     reference = make()
     torch.manual_seed(0)
@@ -77,10 +79,15 @@ def _exact_steps(smp, make, place, variants, seed, microbatches, before_step, af
     g = torch.Generator().manual_seed(seed)
     out = []
     for step, variant in enumerate(variants):
-        module.variant = reference.variant = variant
         x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
         optimizer.zero_grad()
-        before_step(step)
+        before_step(step, module)
+        if variant is None:
+            with pytest.raises(Exception) as info:
+                train_step(model, x, y)
+            out.append(str(info.value))
+            continue
+        module.variant = reference.variant = variant
         loss = train_step(model, x, y).reduce_mean()
         out.append(after_step(step))
         reference_optimizer.zero_grad()
@@ -124,7 +131,7 @@ def _chain_worker(async_calls: bool, microbatches: int):
     try:
         per_step = _exact_steps(
             smp, Chain, lambda m: _place(m, smp), [0, 0, 1, 0, 1], 3, microbatches,
-            lambda step: waits.__setitem__(0, 0) or fetches.__setitem__(0, 0),
+            lambda step, module: waits.__setitem__(0, 0) or fetches.__setitem__(0, 0),
             lambda step: (waits[0], fetches[0]),
         )  # fmt: skip
         return [w for w, _ in per_step], [f for _, f in per_step]
@@ -303,7 +310,7 @@ def _four_stage_worker(microbatches: int):
         for name, stage in [("a", 0), ("head", 0), ("b1", 1), ("b4", 1), ("b2", 2), ("b3", 3)]:
             smp.set_partition(getattr(module, name), stage)
 
-    def before_step(step):
+    def before_step(step, module):
         hold[0] = step == 2 and smp.pp_rank() == 1
         counts.update(waits=0, fetches=0, peer_inputs=0, overtaken=0)
 
@@ -336,3 +343,39 @@ def test_outputs_go_straight_to_the_stage_that_consumes_them(pools):
     # Variant 1 (steps 3, 4): b1's output goes to stage 2 directly and b4 by reference; after
     # step 3 the leader fetches it only because it uses it itself.
     assert stage2[4]["peer_inputs"] == m and stage3[4]["peer_inputs"] == m, per_rank
+
+
+class Failing(Block):
+    fail = False
+
+    def forward(self, h):
+        if self.fail:
+            raise ValueError("b2 failed on purpose")
+        return super().forward(h)
+
+
+def _four_stage_failure_worker():
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 4, "microbatches": 4, "timeout_s": 60})
+
+    def make():
+        model = FourStages()
+        model.b2 = Failing()
+        return model
+
+    def place(module):
+        for name, stage in [("a", 0), ("head", 0), ("b1", 1), ("b4", 1), ("b2", 2), ("b3", 3)]:
+            smp.set_partition(getattr(module, name), stage)
+
+    def before_step(step, module):
+        module.b2.fail = step == 2
+
+    # Step 2 (the chain, as in step 1) fails in b2 on stage 2, whose input comes straight from
+    # stage 1 and whose output stage 3 is fetching; the steps after it are exact again.
+    return _exact_steps(smp, make, place, [1, 0, None, 1, 0], 11, 4, before_step, lambda s: None)
+
+
+def test_a_failure_between_directly_connected_stages_fails_the_step_only(pools):
+    for result in pools.run(4, _four_stage_failure_worker):
+        assert "b2 failed on purpose" in result[2], result[2]
