@@ -15,12 +15,19 @@ interval's roots (tensors or gradient edges, with their gradients) whose inputs 
 The caller sums gradients arriving at the same edge (from later intervals of this worker and from
 remote replies) and runs an earlier interval once all of them are in, so a tensor with both local
 and remote consumers has its upstream graph run exactly once, with the full gradient.
+
+One exception: when an interval uses an earlier value and another derived from it (``x`` and
+``ln(x)``), autograd must run the earlier nodes between them to reach ``x``'s producer. The
+segment then runs those nodes with its own share (keeping their saved tensors), and their own
+interval runs them again with the rest; gradients add up because backward is linear in the
+incoming gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -63,10 +70,10 @@ class SegmentResult:
 
 
 def _walk(
-    roots: Sequence[GradientEdge], start: int, boundary_ids: set[int]
+    roots: Sequence[GradientEdge], start: int, boundary_ids: set[int], absorbed: dict[int, Any]
 ) -> tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]:
-    """Nodes of this interval reachable from ``roots``: returns (edges into earlier intervals,
-    boundary leaves reached, parameters reached)."""
+    """Nodes of this interval (and the ``absorbed`` earlier ones) reachable from ``roots``:
+    returns (edges into earlier intervals, boundary leaves reached, parameters reached)."""
     stops: dict[EdgeKey, GradientEdge] = {}
     leaves: dict[int, torch.Tensor] = {}
     params: dict[int, torch.Tensor] = {}
@@ -80,7 +87,7 @@ def _walk(
         if variable is not None:  # AccumulateGrad: a leaf that requires grad
             (leaves if id(variable) in boundary_ids else params)[id(variable)] = variable
             return
-        if node._sequence_nr() < start:
+        if node._sequence_nr() < start and id(node) not in absorbed:
             edge = GradientEdge(node, output_nr)
             stops[_key(edge)] = edge
             return
@@ -95,6 +102,37 @@ def _walk(
         for next_node, output_nr in node.next_functions:
             consider(next_node, output_nr)
     return list(stops.values()), list(leaves.values()), list(params.values())
+
+
+def _stops_on_paths(stops: list[GradientEdge]) -> dict[int, Any]:
+    """The nodes (by id; the values keep them, and so their ids, alive) on a path from one
+    stop's node to another's, that stop's node included, the other's not. Autograd runs those
+    to reach the other stop, so the segment runs them, and their own interval runs them again
+    later with its gradients (backward is linear in the incoming gradient)."""
+    targets = {id(e.node) for e in stops}
+    if len(targets) < 2:
+        return {}
+    # A node's inputs are older than it (sequence numbers), so a path between two stops only
+    # visits nodes not older than the oldest stop.
+    floor = min(e.node._sequence_nr() for e in stops)
+    nodes: dict[int, Any] = {}
+    stack = [e.node for e in stops]
+    while stack:
+        node = stack.pop()
+        if id(node) in nodes:
+            continue
+        nodes[id(node)] = node
+        for nxt, _ in node.next_functions:
+            leaf = nxt is None or getattr(nxt, "variable", None) is not None
+            if not leaf and nxt._sequence_nr() >= floor:
+                stack.append(nxt)
+    reaches: dict[int, bool] = {}
+    for node in sorted(nodes.values(), key=lambda n: n._sequence_nr()):
+        reaches[id(node)] = any(
+            nxt is not None and (id(nxt) in targets or reaches.get(id(nxt), False))
+            for nxt, _ in node.next_functions
+        )
+    return {key: nodes[key] for key, value in reaches.items() if value}
 
 
 def run_segment(
@@ -120,11 +158,20 @@ def run_segment(
     edges = [r if isinstance(r, GradientEdge) else edge_of(r) for r in (roots[i] for i in keep)]
     grads = [grads[i] for i in keep]
     boundary_ids = {id(t) for t in boundary_leaves}
-    stops, leaves, params = _walk(edges, start, boundary_ids)
+    absorbed: dict[int, Any] = {}
+    while True:  # each round absorbs at least one node more; the graph is finite
+        stops, leaves, params = _walk(edges, start, boundary_ids, absorbed)
+        more = {k: v for k, v in _stops_on_paths(stops).items() if k not in absorbed}
+        if not more:
+            break
+        absorbed.update(more)
     inputs = [*stops, *leaves, *params]
     if not inputs:
         return SegmentResult({}, {})
-    results = torch.autograd.grad(edges, inputs, grads, allow_unused=True)
+    # Absorbed earlier nodes run again in their own interval: keep what they saved.
+    results = torch.autograd.grad(
+        edges, inputs, grads, allow_unused=True, retain_graph=bool(absorbed)
+    )
     n_stops, n_leaves = len(stops), len(leaves)
     for param, grad in zip(params, results[n_stops + n_leaves :]):
         if grad is None:

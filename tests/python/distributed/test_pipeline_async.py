@@ -379,3 +379,43 @@ def _four_stage_failure_worker():
 def test_a_failure_between_directly_connected_stages_fails_the_step_only(pools):
     for result in pools.run(4, _four_stage_failure_worker):
         assert "b2 failed on purpose" in result[2], result[2]
+
+
+class UsesAValueAndItsNorm(nn.Module):
+    """After the call to stage 1, the leader uses both x and ln(x), made before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.ln = nn.LayerNorm(16)
+        self.remote = Block()
+        self.head = nn.Linear(16, 3)
+        self.variant = 0
+
+    def forward(self, inp):
+        x = self.a(inp)
+        y = self.ln(x)
+        w = self.remote(y)
+        return self.head(x + y + w)
+
+
+def _derived_worker(async_calls: bool):
+    import smp
+
+    smp.init(
+        {"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline_async_calls": async_calls}
+    )
+
+    def place(module):
+        for name in ("a", "ln", "head"):
+            smp.set_partition(getattr(module, name), 0)
+        smp.set_partition(module.remote, 1)
+
+    _exact_steps(
+        smp, UsesAValueAndItsNorm, place, [0, 0, 0], 13, 2, lambda s, m: None, lambda s: None
+    )
+
+
+@pytest.mark.parametrize("async_calls", [True, False])
+def test_values_from_before_a_call_and_values_derived_from_them(pools, async_calls):
+    pools.run(2, _derived_worker, async_calls)

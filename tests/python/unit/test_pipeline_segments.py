@@ -111,3 +111,38 @@ def test_unused_and_integer_outputs_are_skipped():
     result = run_segment([y, torch.arange(3)], [torch.ones(()), torch.zeros(3)], c0)
     torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
     assert result.edge_grads == {} and result.leaf_grads == {}
+
+
+def test_a_value_and_one_derived_from_it_both_used_by_a_later_interval():
+    """x and ln(x) come from interval 0 and are both used in interval 1 (and ln(x) in interval 0
+    too): autograd must run LayerNorm's backward to reach x's producer from interval 1, so the
+    segment runs it there with interval 1's share and again in interval 0 with the rest."""
+    torch.manual_seed(2)
+    lin, ln, head = nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 1)
+    inp = torch.randn(3, 4)
+
+    def forward(cuts):
+        marks = [mark()]
+        x = lin(inp)
+        y = ln(x)
+        w = (y * 3).tanh()  # interval 0 also consumes y
+        marks.append(mark())
+        if cuts:
+            return marks, head(x + y + w).sum()
+        return None, head(x + y + w).sum()
+
+    _, ref = forward(False)
+    ref.backward()
+    expected = {m: {n: p.grad.clone() for n, p in m.named_parameters()} for m in (lin, ln, head)}
+    for m in (lin, ln, head):
+        m.zero_grad(set_to_none=True)
+
+    marks, out = forward(True)
+    late = run_segment([out], [torch.ones(())], marks[1])
+    early = run_segment(
+        [e for e, _ in late.edge_grads.values()], [g for _, g in late.edge_grads.values()], marks[0]
+    )
+    assert not early.edge_grads
+    for m, grads in expected.items():
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n])
