@@ -38,6 +38,14 @@ __all__ = ["PipelineRuntime"]
 
 REQUEST, REPLY, GRAD_OUT, GRAD_IN, ERROR, STEP_END = range(1, 7)
 _FETCH = -1  # the module index of a REQUEST that asks for an earlier call's outputs
+
+
+def _fetch_header(mb: int, fetch_id: int, grad: bool, caller: int, call_id: int, slot: int):
+    """A FETCH: outputs of the call ``call_id`` that the receiver served for ``caller`` (-1: the
+    sender), all of them (``slot`` -1) or one; ``grad``: its gradient will come back."""
+    return [REQUEST, mb, fetch_id, _FETCH, int(grad), 1, 1, 0, caller, call_id, slot]
+
+
 _ORDER_END, _ORDER_ABORT = -1, -2  # TP task order: the step is over / TP rank 0 failed
 _TAG = 0x5E7
 
@@ -410,9 +418,7 @@ class PipelineRuntime:
         header.append(len(refs))
         for slot, ref in refs:
             header += [slot, ref.stage, ref.call_id, ref.slot]
-        task_id = self.server.new_id()
-        self.reply_tasks[task_id] = call
-        self.server.expect(call_id, _C.TaskKind.RESUME, worker.microbatch, task_id)
+        self._expect_reply(call, call_id, worker.microbatch)
         # The arguments belong to the caller's code, which may modify them in place once this
         # returns: the message carries copies (cheaper than waiting for the peer to take it).
         payload = [t.detach().clone() for t in real]
@@ -435,25 +441,17 @@ class PipelineRuntime:
             fetch_id = next(self._call_ids)
             call.fetch = _Call(fetch_id, call.owner, worker, False, [], [], call.path)
             call.fetch.fetch_of = call
-            task_id = self.server.new_id()
-            self.reply_tasks[task_id] = call.fetch
-            self.server.expect(fetch_id, _C.TaskKind.RESUME, worker.microbatch, task_id)
+            self._expect_reply(call.fetch, fetch_id, worker.microbatch)
             worker.replies_due += 1
-            header = [
-                REQUEST,
-                worker.microbatch,
-                fetch_id,
-                _FETCH,
-                0,
-                1,
-                1,
-                0,
-                -1,
-                call.call_id,
-                -1,
-            ]
+            header = _fetch_header(worker.microbatch, fetch_id, False, -1, call.call_id, -1)
             self.sender.send(call.owner, header, [])
         worker.wait_for(call.fetch or call)
+
+    def _expect_reply(self, call: _Call | _PeerFetch, call_id: int, microbatch: int) -> None:
+        """Registers the REPLY to ``call_id`` (a call or a FETCH) as a RESUME task for ``call``."""
+        task_id = self.server.new_id()
+        self.reply_tasks[task_id] = call
+        self.server.expect(call_id, _C.TaskKind.RESUME, microbatch, task_id)
 
     def _reply_arrived(self, call: _Call, message) -> None:
         """A REPLY: the call's outputs enter the caller's graph as boundary leaves."""
@@ -709,9 +707,7 @@ class PipelineRuntime:
         reply = [REPLY, worker.microbatch, call_id]
         self.sender.send(caller, reply, [skeleton, *tensors] if worker.push else [skeleton])
         for stage, fetch, slot in worker.fetches:
-            self.sender.send(
-                stage, fetch, [skeleton, *(tensors if slot < 0 else tensors[slot : slot + 1])]
-            )
+            self._send_outputs(stage, fetch, worker, slot)
         worker.fetches = []
         if not worker.grad:
             worker.backward_done = True
@@ -774,10 +770,16 @@ class PipelineRuntime:
             self.workers[worker_id] = producer
         reply = [REPLY, header[1], header[2]]
         if producer.replied:
-            tensors = producer.out_tensors if slot < 0 else producer.out_tensors[slot : slot + 1]
-            self.sender.send(peer, reply, [producer.skeleton, *tensors])
+            self._send_outputs(peer, reply, producer, slot)
         else:
             producer.fetches.append((peer, reply, slot))
+
+    def _send_outputs(self, peer: int, reply: list[int], producer: _Worker, slot: int) -> None:
+        """Answers a FETCH: the skeleton and every output (``slot`` -1) or output ``slot``."""
+        tensors = producer.out_tensors
+        self.sender.send(
+            peer, reply, [producer.skeleton, *(tensors if slot < 0 else tensors[slot : slot + 1])]
+        )
 
     def _peer_input_arrived(self, fetch: _PeerFetch, message) -> None:
         """REPLY to a served call's FETCH from a third stage: one input value."""
@@ -819,15 +821,9 @@ class PipelineRuntime:
                 stage, ref_call_id, out_slot = refs[slot.index]
                 fetch_id = next(self._call_ids)
                 fetch = _PeerFetch(worker, len(values), stage, fetch_id, out_slot, values)
-                task_id = self.server.new_id()
-                self.reply_tasks[task_id] = fetch
-                self.server.expect(fetch_id, _C.TaskKind.RESUME, mb, task_id)
-                self.sender.send(
-                    stage,
-                    [REQUEST, mb, fetch_id, _FETCH, int(worker.grad), 1, 1, 0, peer, ref_call_id,
-                     out_slot],
-                    [],
-                )  # fmt: skip
+                self._expect_reply(fetch, fetch_id, mb)
+                header = _fetch_header(mb, fetch_id, worker.grad, peer, ref_call_id, out_slot)
+                self.sender.send(stage, header, [])
                 worker.peer_inputs.append(fetch)
                 worker.fetches_due += 1
                 values.append(None)
@@ -1047,15 +1043,9 @@ class PipelineRuntime:
             self._maybe_served_backward(producer)
         for fetch in worker.peer_inputs:  # the third stage waits for this share, even empty
             grad = worker.leaf_grads.pop(id(fetch.leaf), None) if fetch.leaf is not None else None
+            slots, grads = ([fetch.out_slot], [grad]) if grad is not None else ([], [])
             self.sender.send(
-                fetch.stage,
-                [
-                    GRAD_OUT,
-                    worker.microbatch,
-                    fetch.fetch_id,
-                    *([fetch.out_slot] if grad is not None else []),
-                ],
-                [] if grad is None else [grad],
+                fetch.stage, [GRAD_OUT, worker.microbatch, fetch.fetch_id, *slots], grads
             )
         self._maybe_served_complete(worker)
 
