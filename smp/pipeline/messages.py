@@ -210,19 +210,20 @@ def describe(structure: Any) -> str:
 def slots_of(structure: Any) -> list[TensorSlot]:
     """The tensor slots of an unpickled skeleton, in tensor order."""
     found: list[TensorSlot] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, TensorSlot):
-            found.append(node)
-        elif isinstance(node, _Rebuild):
-            for v in node.fields.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-
-    walk(structure)
+    _collect_slots(structure, found)
     return sorted(found, key=lambda s: s.index)
+
+
+def _collect_slots(node: Any, found: list[TensorSlot]) -> None:
+    # A module-level function: a nested recursive one is a reference cycle per call.
+    if isinstance(node, TensorSlot):
+        found.append(node)
+    elif isinstance(node, _Rebuild):
+        for v in node.fields.values():
+            _collect_slots(v, found)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _collect_slots(v, found)
+    elif isinstance(node, dict):
+        for v in node.values():
+            _collect_slots(v, found)

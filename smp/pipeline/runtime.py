@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import pickle
+import queue
 import threading
 import time
 import traceback
@@ -199,9 +200,11 @@ class _Worker:
         self.waiting: _Call | None = None  # the call whose REPLY this suspended worker awaits
         self.replies_due = 0  # calls whose REPLY has not arrived
         self.acks_due = 0  # calls whose GRAD_IN has not arrived
-        self.thread = threading.Thread(target=self._main, daemon=True, name=f"smp-worker{self.id}")
+        self.started = False  # handed to a thread (it may not have been granted yet)
 
-    def _main(self) -> None:
+    def run(self, park: Callable[[], None]) -> None:
+        """The worker's life, in a pool thread: waits for its first grant, runs ``target``,
+        and ``park``s the thread (ready for another worker) before the baton goes back."""
         self.go.acquire()
         _current.worker = self
         torch.set_grad_enabled(self.grad)
@@ -217,8 +220,18 @@ class _Worker:
             self.error = exc
             self.error_text = "".join(traceback.format_exception(exc))
         finally:
+            _current.worker = None
             self.finished = True
+            park()
             self.runtime._back.release()
+
+    def release(self) -> None:
+        """Drops everything this worker holds, once its step is over (``_forget_step``)."""
+        self.target = self.result = self.error = self.waiting = self.skeleton = None
+        self.calls, self.boundary, self.pending, self.leaf_grads = [], {}, [], {}
+        self.input_leaves, self.out_tensors, self.out_grads_acc = [], [], {}
+        self.fetches, self.ref_inputs, self.ref_leaves, self.peer_inputs = [], [], [], []
+        self.deferred = []
 
     def suspend(self) -> None:
         """Gives the baton back to the server and waits to be resumed."""
@@ -243,6 +256,48 @@ class _Worker:
             if start <= seq:
                 index = i
         return index
+
+
+class _Threads:
+    """The threads workers run in, kept across steps.
+
+    A thread per worker (one per microbatch and per served call) made every step create dozens
+    of threads, and glibc gives a new thread a malloc arena whose memory goes back to the
+    system as the thread's allocations are freed; the next worker's activations then fault in
+    fresh pages. On the p = 2 benchmark that was 3-4x torch's page faults per step and forward
+    pieces ~10 % slower (benchmarks/README.md). A thread here runs one worker at a time and
+    parks itself when the worker finishes; at most as many exist as workers were alive at once.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.idle: list[Any] = []  # inboxes (queue.SimpleQueue) of parked threads
+        self.count = 0
+
+    def run(self, worker: _Worker) -> None:
+        with self.lock:
+            inbox = self.idle.pop() if self.idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            self.count += 1
+            name = f"smp-worker{self.count}"
+            threading.Thread(target=self._serve, args=(inbox,), daemon=True, name=name).start()
+        worker.started = True
+        inbox.put(worker)
+
+    def _serve(self, inbox) -> None:
+        while (worker := inbox.get()) is not None:
+            worker.run(lambda: self._park(inbox))
+
+    def _park(self, inbox) -> None:
+        with self.lock:
+            self.idle.append(inbox)
+
+    def close(self) -> None:
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for inbox in idle:
+            inbox.put(None)
 
 
 _current = threading.local()
@@ -328,6 +383,7 @@ class PipelineRuntime:
         # Whether the caller used (resolved) a key's outputs the last time it finished a worker.
         self.push_outputs: dict[tuple, bool] = {}
         self.unstable: set[tuple] = set()
+        self.threads = _Threads()
         self._install_stubs()
         state.closers.append(self.close)
         state.runtimes.append(self)
@@ -340,6 +396,7 @@ class PipelineRuntime:
         self.policy = None  # a view into the server
         self.server = None  # keeps the transport alive (pybind keep_alive)
         self.workers = {}
+        self.threads.close()
         transport, self.transport = self.transport, None
         order, self.order_transport = self.order_transport, None
         for t in (transport, order):
@@ -556,6 +613,7 @@ class PipelineRuntime:
                     self.order_transport.finish()
             except BaseException as exc:  # noqa: BLE001
                 error = error or exc
+            self._forget_step()
         if error is not None:
             # A failed step leaves the channels on this tag unusable (a receive may stay posted):
             # every rank fails the step, and every rank moves to a fresh tag for the next one.
@@ -567,6 +625,18 @@ class PipelineRuntime:
             self.order_transport = self._new_order_transport()
             raise error
         return self.results, self.backward_calls
+
+    def _forget_step(self) -> None:
+        """Drops the step's workers and calls. They reference each other (a call its worker, a
+        served call's code its worker), so left alone their tensors (activations, boundary
+        values, outputs) would wait for Python's cycle collector: tens of MB per step on the
+        benchmark, freed at random times and making the next step fault in fresh pages."""
+        for worker in [*self.workers.values(), *self.step_workers.values()]:
+            worker.release()
+        for table in (self.workers, self.step_workers, self.reply_tasks, self.grad_tasks):
+            table.clear()
+        self.served_calls.clear()
+        self.early_fetches.clear()
 
     def _loop(self, leader: bool) -> None:
         """Runs what the C++ server hands out until the step is over on this rank."""
@@ -666,7 +736,7 @@ class PipelineRuntime:
 
     def _start(self, worker: _Worker) -> None:
         self.workers[worker.id] = worker
-        worker.thread.start()
+        self.threads.run(worker)
         self._grant(worker)
 
     def _grant(self, worker: _Worker) -> None:
@@ -729,7 +799,7 @@ class PipelineRuntime:
         """Ends every suspended worker thread (they raise _Abort where they wait)."""
         for worker in getattr(self, "workers", {}).values():
             worker.aborted = True
-            if worker.thread.is_alive() and not worker.finished:
+            if worker.started and not worker.finished:
                 worker.go.release()
                 self._back.acquire()
 
