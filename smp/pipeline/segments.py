@@ -104,16 +104,17 @@ def _walk(
     return list(stops.values()), list(leaves.values()), list(params.values())
 
 
-def _stops_on_paths(stops: list[GradientEdge]) -> dict[int, Any]:
+def _on_paths(stops: list[GradientEdge], inputs: set[int]) -> dict[int, Any]:
     """The nodes (by id; the values keep them, and so their ids, alive) on a path from one
-    stop's node to another's, that stop's node included, the other's not. Autograd runs those
-    to reach the other stop, so the segment runs them, and their own interval runs them again
-    later with its gradients (backward is linear in the incoming gradient)."""
+    stop's node to another's, or to a leaf or parameter among the segment's ``inputs`` (ids of
+    the variables), that stop's node included, the target not. Autograd runs those to reach the
+    target, so the segment runs them, and their own interval runs them again later with its
+    gradients (backward is linear in the incoming gradient)."""
     targets = {id(e.node) for e in stops}
-    if len(targets) < 2:
+    if not targets or (len(targets) < 2 and not inputs):
         return {}
-    # A node's inputs are older than it (sequence numbers), so a path between two stops only
-    # visits nodes not older than the oldest stop.
+    # A node's inputs are older than it (sequence numbers), so a path from a stop to another
+    # only visits nodes not older than the oldest stop. A path to a leaf may go further down.
     floor = min(e.node._sequence_nr() for e in stops)
     nodes: dict[int, Any] = {}
     stack = [e.node for e in stops]
@@ -123,8 +124,13 @@ def _stops_on_paths(stops: list[GradientEdge]) -> dict[int, Any]:
             continue
         nodes[id(node)] = node
         for nxt, _ in node.next_functions:
-            leaf = nxt is None or getattr(nxt, "variable", None) is not None
-            if not leaf and nxt._sequence_nr() >= floor:
+            if nxt is None:
+                continue
+            variable = getattr(nxt, "variable", None)
+            if variable is not None:
+                if id(variable) in inputs:
+                    targets.add(id(nxt))
+            elif inputs or nxt._sequence_nr() >= floor:
                 stack.append(nxt)
     reaches: dict[int, bool] = {}
     for node in sorted(nodes.values(), key=lambda n: n._sequence_nr()):
@@ -161,7 +167,8 @@ def run_segment(
     absorbed: dict[int, Any] = {}
     while True:  # each round absorbs at least one node more; the graph is finite
         stops, leaves, params = _walk(edges, start, boundary_ids, absorbed)
-        more = {k: v for k, v in _stops_on_paths(stops).items() if k not in absorbed}
+        reached = {id(t) for t in (*leaves, *params)}
+        more = {k: v for k, v in _on_paths(stops, reached).items() if k not in absorbed}
         if not more:
             break
         absorbed.update(more)

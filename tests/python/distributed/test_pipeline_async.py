@@ -382,7 +382,8 @@ def test_a_failure_between_directly_connected_stages_fails_the_step_only(pools):
 
 
 class UsesAValueAndItsNorm(nn.Module):
-    """After the call to stage 1, the leader uses both x and ln(x), made before it."""
+    """After the call to stage 1, the leader uses both x and ln(x), made before it, and in
+    variant 1 also the weight x came from."""
 
     def __init__(self):
         super().__init__()
@@ -396,7 +397,8 @@ class UsesAValueAndItsNorm(nn.Module):
         x = self.a(inp)
         y = self.ln(x)
         w = self.remote(y)
-        return self.head(x + y + w)
+        out = self.head(x + y + w)
+        return out * self.a.weight.sum() if self.variant == 1 else out
 
 
 def _derived_worker(async_calls: bool):
@@ -412,7 +414,7 @@ def _derived_worker(async_calls: bool):
         smp.set_partition(module.remote, 1)
 
     _exact_steps(
-        smp, UsesAValueAndItsNorm, place, [0, 0, 0], 13, 2, lambda s, m: None, lambda s: None
+        smp, UsesAValueAndItsNorm, place, [0, 1, 0, 1], 13, 2, lambda s, m: None, lambda s: None
     )
 
 

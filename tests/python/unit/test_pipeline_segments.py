@@ -146,3 +146,43 @@ def test_a_value_and_one_derived_from_it_both_used_by_a_later_interval():
     for m, grads in expected.items():
         for n, p in m.named_parameters():
             torch.testing.assert_close(p.grad, grads[n])
+
+
+def test_a_later_interval_using_a_leaf_that_an_earlier_value_came_from():
+    """Interval 1 uses a parameter and a boundary leaf directly and also values interval 0
+    derived from them: autograd must run interval 0's nodes between those values and the
+    leaves to give the leaves interval 1's gradient, so the segment runs them with its share
+    (keeping what they saved) and interval 0 runs them again with the rest."""
+    torch.manual_seed(3)
+    lin = nn.Linear(4, 4)
+    src = torch.randn(3, 4, requires_grad=True)
+
+    def forward(cuts):
+        b = _boundary(src) if cuts else src  # a served call's input
+        marks = [mark()]
+        x = lin(b)
+        y = torch.tanh(x)
+        w = (y * 2).sin()  # interval 0 also consumes y
+        marks.append(mark())
+        out = (y * lin.weight.sum() + b * 3 + w).square().sum()
+        return marks, b, out
+
+    _, _, ref = forward(False)
+    ref.backward()
+    expected = {n: p.grad.clone() for n, p in lin.named_parameters()}
+    expected_src = src.grad.clone()
+    lin.zero_grad(set_to_none=True)
+
+    marks, b, out = forward(True)
+    late = run_segment([out], [torch.ones(())], marks[1], boundary_leaves=[b])
+    early = run_segment(
+        [e for e, _ in late.edge_grads.values()],
+        [g for _, g in late.edge_grads.values()],
+        marks[0],
+        boundary_leaves=[b],
+    )
+    assert not early.edge_grads
+    leaf_grad = late.leaf_grads[id(b)] + early.leaf_grads.get(id(b), 0)
+    torch.testing.assert_close(leaf_grad, expected_src)
+    for n, p in lin.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n])
