@@ -364,7 +364,7 @@ class DistributedModel(nn.Module):
         self.partitioned = True
         from smp.pipeline.runtime import PipelineRuntime
 
-        self._runtime = PipelineRuntime(state, self.module, value.assignment)
+        self._runtime = PipelineRuntime(state, self.module, value.assignment, value.module_costs())
         self._release_remote_tensors()
         if state.rank == 0:
             logger.info("%s", value.report())

@@ -553,6 +553,10 @@ class PartitionPlan:
         visit("")
         return _collapse_numbered(items)
 
+    def module_costs(self) -> dict[str, float]:
+        """{module path: the module's own share of the model's cost (its submodules excluded)}."""
+        return {path: self.node_costs[node] for path, node in self._node_of_path.items()}
+
     def report(self) -> str:
         """A table per stage: modules, parameter bytes, activation bytes, compute share."""
         total_compute = sum(self.stage_compute) or 1.0

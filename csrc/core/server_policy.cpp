@@ -131,9 +131,9 @@ std::optional<Task> ServerPolicy::next() {
     return task;
   };
   if (kind_ == PipelineKind::kInterleaved) {
-    // 1. backward  2. resume  3. request  4. start while fewer than active are in flight.
-    if (!backwards_.empty()) return pop_backward();
+    // 1. resume  2. backward  3. request  4. start while fewer than active are in flight.
     if (!resumes_.empty()) return pop_front(resumes_);
+    if (!backwards_.empty()) return pop_backward();
     if (!requests_.empty()) return pop_front(requests_);
     if (may_start()) return take_start();
     return std::nullopt;

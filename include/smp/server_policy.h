@@ -25,8 +25,12 @@
 // Policies (PipelineKind). Within one class, tasks run FIFO (by arrival), except backward tasks,
 // which run lowest microbatch first, then FIFO.
 //   interleaved (default, 1F1B-like):
-//     1. a backward   2. a resume   3. a request
+//     1. a resume   2. a backward   3. a request
 //     4. leader: start the next microbatch if fewer than active_microbatches are in flight.
+//     A resume is short and others wait for it: on the leader it usually computes a loss and
+//     starts that microbatch's backward, which every other stage's backward waits for; a
+//     backward task is one slice of a worker's backward (design.md §4e), so a resume that
+//     arrives during a long backward waits for one slice, not the whole.
 //   simple (GPipe-like, all forwards then all backwards):
 //     1. a resume   2. a request   3. leader: start the next microbatch (no in-flight limit)
 //     4. a backward — on the leader only once every microbatch is forward done (or finished);
@@ -61,8 +65,8 @@
 //   policy.on_forward_done(0);           //   forward done, and the runtime pushes its backward
 //   policy.push(smp::TaskKind::kBackward, 0, /*id=*/8);
 //   policy.push(smp::TaskKind::kResume, 1, /*id=*/9);
-//   policy.next();                       // backward(mb=0, id=8): backward comes first
-//   policy.next();                       // resume(mb=1, id=9)
+//   policy.next();                       // resume(mb=1, id=9): a resume comes first
+//   policy.next();                       // backward(mb=0, id=8)
 //   policy.next();                       // nullopt: still 2 in flight
 //   policy.on_microbatch_finished(0);    // (after its last backward on the leader)
 //   policy.next();                       // start(mb=2): 1 in flight < 2

@@ -39,6 +39,8 @@ __all__ = ["PipelineRuntime"]
 
 REQUEST, REPLY, GRAD_OUT, GRAD_IN, ERROR, STEP_END = range(1, 7)
 _FETCH = -1  # the module index of a REQUEST that asks for an earlier call's outputs
+_SLICE = -1  # the call id of a worker's local interval boundary (no remote call)
+_SLICES_PER_STAGE = 8  # a module with this fraction of its stage's cost starts a backward slice
 
 
 def _fetch_header(mb: int, fetch_id: int, grad: bool, caller: int, call_id: int, slot: int):
@@ -135,7 +137,11 @@ _EMPTY = torch.empty(0, device="meta")
 
 def _resolve_module_args(module, args):
     """Global forward pre-hook during a pipelined step: a local module's positional arguments
-    are resolved before its forward (its code may call C++ extensions directly)."""
+    are resolved before its forward (its code may call C++ extensions directly), and a large
+    module's forward starts a new backward slice (``_Worker.maybe_slice``)."""
+    worker = getattr(_current, "worker", None)
+    if worker is not None and id(module) in worker.runtime.slice_before:
+        worker.maybe_slice()
     if any(isinstance(a, (_Future, list, tuple, dict)) for a in args):
         return _resolve_tree(args)
     return None
@@ -211,8 +217,7 @@ class _Worker:
         try:
             if self.aborted:
                 raise _Abort()
-            self.starts.append(segments.mark())
-            self.pending.append({})
+            self.new_interval()
             self.result = self.target()
         except _Abort:
             pass
@@ -248,6 +253,16 @@ class _Worker:
     def new_interval(self) -> None:
         self.starts.append(segments.mark())
         self.pending.append({})
+
+    def maybe_slice(self) -> None:
+        """Before a large local module's forward: ends the current interval there (when it has
+        any autograd node), so its backward is a separate task (design.md §4e)."""
+        if self.next_interval != -1 or not self.grad or not torch.is_grad_enabled():
+            return  # not in this worker's forward (a recomputation in backward), or no graph
+        if segments.mark() == self.starts[-1] + 1:
+            return  # nothing recorded since the interval started
+        self.calls.append(_Call(_SLICE, self.runtime.stage, self, False, [], []))
+        self.new_interval()
 
     def interval_of(self, node) -> int:
         seq = node._sequence_nr()
@@ -352,7 +367,13 @@ class _Recorder:
 class PipelineRuntime:
     """Runs steps of a partitioned model; one per DistributedModel with pp > 1."""
 
-    def __init__(self, state: State, module: nn.Module, assignment: dict[str, int]):
+    def __init__(
+        self,
+        state: State,
+        module: nn.Module,
+        assignment: dict[str, int],
+        costs: dict[str, float] | None = None,
+    ):
         self.state = state
         self.stage = state.axis_rank("pp")
         self.num_stages = state.axis_size("pp")
@@ -384,6 +405,8 @@ class PipelineRuntime:
         self.push_outputs: dict[tuple, bool] = {}
         self.unstable: set[tuple] = set()
         self.threads = _Threads()
+        # Not with TP either: its ranks must run the same tasks, slices included.
+        self.slice_before = self._slice_modules(costs or {}) if self.forward_direct else set()
         self._install_stubs()
         state.closers.append(self.close)
         state.runtimes.append(self)
@@ -416,6 +439,28 @@ class PipelineRuntime:
         return _C.Transport(
             self.state.groups["pp"], peers, float(self.state.config.timeout_s), self._tag
         )
+
+    def _slice_modules(self, costs: dict[str, float]) -> set[int]:
+        """Ids of the local modules whose forward starts a new backward slice: every module
+        whose subtree runs on this stage only and costs at least 1/_SLICES_PER_STAGE of the
+        stage (``costs``: each module's own share of the model's cost, from the partitioner).
+        Deterministic, unlike a clock, so a step's gradients do not depend on timing."""
+        total = {path: float(costs.get(path, 0.0)) for path in self.paths}
+        elsewhere = {path: self.assignment[path] != self.stage for path in self.paths}
+        for path in reversed(self.paths):  # named_modules is pre-order: children first here
+            parent = path.rpartition(".")[0]
+            if path and parent in total:
+                total[parent] += total[path]
+                elsewhere[parent] |= elsewhere[path]
+        stage_cost = sum(
+            float(costs.get(p, 0.0)) for p in self.paths if self.assignment[p] == self.stage
+        )
+        floor = stage_cost / _SLICES_PER_STAGE
+        return {
+            id(self.modules[path])
+            for path in self.paths
+            if path and not elsewhere[path] and total[path] > 0 and total[path] >= floor
+        }
 
     # ---- stubs ---------------------------------------------------------------------------------
 
@@ -583,6 +628,8 @@ class PipelineRuntime:
         self.workers: dict[int, _Worker] = {}
         self.grad_tasks: dict[int, _Call] = {}  # task id -> call awaiting its GRAD_IN
         self.reply_tasks: dict[int, _Call] = {}  # task id -> call awaiting its REPLY
+        self.continuations: dict[int, _Worker] = {}  # task id -> worker at a backward slice
+        self.slices_run = 0  # backward slices run as their own task this step
         self.served_calls: dict[tuple[int, int], _Worker] = {}  # (caller stage, call id)
         self.early_fetches: dict[tuple[int, int], list] = {}  # (caller stage, call id) -> FETCHes
         self.step_workers: dict[int, _Worker] = {}  # microbatch -> leader worker
@@ -633,7 +680,8 @@ class PipelineRuntime:
         benchmark, freed at random times and making the next step fault in fresh pages."""
         for worker in [*self.workers.values(), *self.step_workers.values()]:
             worker.release()
-        for table in (self.workers, self.step_workers, self.reply_tasks, self.grad_tasks):
+        tables = (self.workers, self.step_workers, self.reply_tasks, self.grad_tasks)
+        for table in (*tables, self.continuations):
             table.clear()
         self.served_calls.clear()
         self.early_fetches.clear()
@@ -667,6 +715,15 @@ class PipelineRuntime:
                 self._serve(task.id, *message)
             elif kind == _C.TaskKind.RESUME:
                 self._reply_arrived(self.reply_tasks.pop(task.id), message)
+            elif message is None:  # the next backward slice of a worker
+                worker = self.continuations.pop(task.id)
+                self.slices_run += 1
+                self.recorder.begin("B", worker.microbatch)
+                try:
+                    roots, grads = self._pending_roots(worker, worker.next_interval)
+                    self._continue_backward(worker, roots, grads)
+                finally:
+                    self.recorder.end()
             elif message[1][0] == GRAD_OUT:
                 self._gradients_arrived(self.workers[task.id], *message)
             else:
@@ -1081,6 +1138,11 @@ class PipelineRuntime:
                 return
             call = worker.calls[j - 1]
             worker.next_interval = j - 1
+            if call.call_id == _SLICE:  # the server may run other work (a due resume) first
+                task_id = self.server.new_id()
+                self.continuations[task_id] = worker
+                self.policy.push(_C.TaskKind.BACKWARD, worker.microbatch, task_id)
+                return
             if call.grad:
                 # Sent even without gradients: the owner's backward chain must complete, and it
                 # answers GRAD_IN when it has. Only gradients this rank needs are waited for.

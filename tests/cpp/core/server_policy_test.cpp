@@ -111,17 +111,17 @@ struct ScriptCase {
 const std::vector<ScriptCase>& script_cases() {
   // clang-format off
   static const std::vector<ScriptCase> cases = {
-      // Interleaved leader: backward > resume > request > start (while in flight < active).
+      // Interleaved leader: resume > backward > request > start (while in flight < active).
       {"InterleavedLeaderPriorities", kInterleaved, 4, 2, true,
        "S0 S1 -"                           // 2 in flight: no third start
        " +Q0#20 +R0#10 R0#10 Q0#20 -"      // resume before request
        " fwd0 +R1#11 +Q1#21 +B0#30"        // one of each, pushed in reverse
-       " B0#30 R1#11 Q1#21 -"
+       " R1#11 B0#30 Q1#21 -"
        " fin0 S2 -"                        // a slot frees: the next start
        " fwd1 +B1#31 B1#31 fin1 S3 -"},
-      // Backward: lowest microbatch first, then FIFO; it overtakes older forward work.
+      // Backward: lowest microbatch first, then FIFO; it overtakes older requests.
       {"InterleavedBackwardLowestMicrobatchThenFifo", kInterleaved, 3, 3, true,
-       "S0 S1 S2 fwd0 fwd2 +R1#1 +B2#2 +B0#3 +B2#4 +B0#5 B0#3 B0#5 B2#2 B2#4 R1#1 -"},
+       "S0 S1 S2 fwd0 fwd2 +Q1#1 +B2#2 +B0#3 +B2#4 +B0#5 B0#3 B0#5 B2#2 B2#4 Q1#1 -"},
       // Resumes and requests are FIFO, whatever their microbatch.
       {"InterleavedFifoWithinClass", kInterleaved, 3, 3, true,
        "S0 S1 S2 +R2#1 +R0#2 +R1#3 +Q1#4 +Q0#5 R2#1 R0#2 R1#3 Q1#4 Q0#5 -"},
@@ -130,7 +130,7 @@ const std::vector<ScriptCase>& script_cases() {
        "S0 - +R0#1 R0#1 fwd0 +B0#2 B0#2 - fin0 S1 - +R1#3 R1#3 fin1 -"},
       // Non-leaders never start anything; same priorities.
       {"InterleavedNonLeader", kInterleaved, 4, 2, false,
-       "- +Q0#1 +Q1#2 +R0#3 +B0#4 +B3#5 B0#4 B3#5 R0#3 Q0#1 Q1#2 -"},
+       "- +Q0#1 +Q1#2 +R0#3 +B0#4 +B3#5 R0#3 B0#4 B3#5 Q0#1 Q1#2 -"},
       // Simple leader: every start at once (active ignored), forward-type first, backwards held
       // until every microbatch is forward done, then lowest microbatch first.
       {"SimpleLeaderAllForwardsThenBackwards", kSimple, 3, 1, true,
@@ -262,13 +262,13 @@ class Oracle {
       const bool interleaved = kind_ == PipelineKind::kInterleaved;
       switch (t.kind) {
         case TaskKind::kBackward: {
-          if (interleaved) return 0;
+          if (interleaved) return 1;
           const bool all_done =
               std::count_if(phase_.begin(), phase_.end(), [](int p) { return p >= 2; }) == n_;
           return (!leader_ || all_done) ? 3 : -1;
         }
         case TaskKind::kResume:
-          return interleaved ? 1 : 0;
+          return 0;
         case TaskKind::kServeRequest:
           return interleaved ? 2 : 1;
         default:
@@ -826,8 +826,8 @@ TEST(ServerPolicyTest, HeaderExample) {
   policy.on_forward_done(0);
   policy.push(TaskKind::kBackward, 0, 8);
   policy.push(TaskKind::kResume, 1, 9);
-  EXPECT_EQ(label(policy.next()), "B0#8");
   EXPECT_EQ(label(policy.next()), "R1#9");
+  EXPECT_EQ(label(policy.next()), "B0#8");
   EXPECT_EQ(label(policy.next()), "-");
   policy.on_microbatch_finished(0);
   EXPECT_EQ(label(policy.next()), "S2");
