@@ -149,11 +149,14 @@ def _leftovers_worker():
 
 
 def test_steps_reuse_worker_threads_and_leave_no_cycles(pools):
-    """Worker threads are kept across steps (a thread per worker churned malloc arenas: 3-4x
+    """Worker threads are kept across steps (a thread per worker churned malloc arenas: 2-4x
     torch's page faults on the benchmark), and a step's workers and calls, which reference each
     other, are released when it ends instead of waiting for the cycle collector."""
     for threads, cyclic in pools.run(2, _leftovers_worker):
-        assert threads[0] and all(t == threads[0] for t in threads), threads
+        # Kept (each step's threads are still there after the next) and few: at most as many
+        # as workers were alive at once (4 microbatches and the calls they have in flight).
+        assert threads[0] and all(a <= b for a, b in zip(threads, threads[1:])), threads
+        assert len(threads[-1]) <= 16, threads
         assert cyclic == [0, 0, 0, 0], cyclic
 
 
