@@ -445,16 +445,15 @@ class PipelineRuntime:
         whose subtree runs on this stage only and costs at least 1/_SLICES_PER_STAGE of the
         stage (``costs``: each module's own share of the model's cost, from the partitioner).
         Deterministic, unlike a clock, so a step's gradients do not depend on timing."""
-        total = {path: float(costs.get(path, 0.0)) for path in self.paths}
+        own = {path: float(costs.get(path, 0.0)) for path in self.paths}
+        total = dict(own)
         elsewhere = {path: self.assignment[path] != self.stage for path in self.paths}
         for path in reversed(self.paths):  # named_modules is pre-order: children first here
             parent = path.rpartition(".")[0]
             if path and parent in total:
                 total[parent] += total[path]
                 elsewhere[parent] |= elsewhere[path]
-        stage_cost = sum(
-            float(costs.get(p, 0.0)) for p in self.paths if self.assignment[p] == self.stage
-        )
+        stage_cost = sum(own[p] for p in self.paths if self.assignment[p] == self.stage)
         floor = stage_cost / _SLICES_PER_STAGE
         return {
             id(self.modules[path])
@@ -680,11 +679,16 @@ class PipelineRuntime:
         benchmark, freed at random times and making the next step fault in fresh pages."""
         for worker in [*self.workers.values(), *self.step_workers.values()]:
             worker.release()
-        tables = (self.workers, self.step_workers, self.reply_tasks, self.grad_tasks)
-        for table in (*tables, self.continuations):
+        for table in (
+            self.workers,
+            self.step_workers,
+            self.reply_tasks,
+            self.grad_tasks,
+            self.continuations,
+            self.served_calls,
+            self.early_fetches,
+        ):
             table.clear()
-        self.served_calls.clear()
-        self.early_fetches.clear()
 
     def _loop(self, leader: bool) -> None:
         """Runs what the C++ server hands out until the step is over on this rank."""
@@ -718,12 +722,7 @@ class PipelineRuntime:
             elif message is None:  # the next backward slice of a worker
                 worker = self.continuations.pop(task.id)
                 self.slices_run += 1
-                self.recorder.begin("B", worker.microbatch)
-                try:
-                    roots, grads = self._pending_roots(worker, worker.next_interval)
-                    self._continue_backward(worker, roots, grads)
-                finally:
-                    self.recorder.end()
+                self._recorded_backward(worker, *self._pending_roots(worker, worker.next_interval))
             elif message[1][0] == GRAD_OUT:
                 self._gradients_arrived(self.workers[task.id], *message)
             else:
@@ -1058,6 +1057,10 @@ class PipelineRuntime:
         self.policy.on_forward_done(worker.microbatch)
         self.backward_calls += 1
         worker.next_interval = len(worker.starts) - 1
+        self._recorded_backward(worker, roots, grads)
+
+    def _recorded_backward(self, worker: _Worker, roots, grads) -> None:
+        """``_continue_backward`` as a recorded "B" span of the timeline."""
         self.recorder.begin("B", worker.microbatch)
         try:
             self._continue_backward(worker, roots, grads)
@@ -1086,11 +1089,7 @@ class PipelineRuntime:
                 grads.append(grad)
         worker.out_grads_acc = {}
         worker.next_interval = len(worker.starts) - 1
-        self.recorder.begin("B", worker.microbatch)
-        try:
-            self._continue_backward(worker, roots, grads)
-        finally:
-            self.recorder.end()
+        self._recorded_backward(worker, roots, grads)
 
     def _run_backward_task(self, worker: _Worker) -> None:
         """GRAD_IN of the call ending interval ``next_interval`` arrived: that interval runs."""

@@ -65,16 +65,21 @@ def _place(model: Dynamic, smp) -> None:
     smp.set_partition(model.head, 0)
 
 
+def _placed_dynamic(smp):
+    """Dynamic (seed 0) placed by _place, as a DistributedModel."""
+    torch.manual_seed(0)
+    module = Dynamic()
+    _place(module, smp)
+    return smp.DistributedModel(module)
+
+
 def _dynamic_worker(pipeline: str, microbatches: int):
     import smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": microbatches, "pipeline": pipeline})
     torch.manual_seed(0)
     reference = Dynamic()
-    torch.manual_seed(0)
-    module = Dynamic()
-    _place(module, smp)
-    model = smp.DistributedModel(module)
+    model = _placed_dynamic(smp)
 
     @smp.step
     def train_step(model, x, y):
@@ -119,10 +124,7 @@ def _leftovers_worker():
     import smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
-    torch.manual_seed(0)
-    module = Dynamic()
-    _place(module, smp)
-    model = smp.DistributedModel(module)
+    model = _placed_dynamic(smp)
 
     @smp.step
     def train_step(model, x, y):
@@ -166,10 +168,7 @@ def _eval_worker():
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
     torch.manual_seed(0)
     reference = Dynamic()
-    torch.manual_seed(0)
-    module = Dynamic()
-    _place(module, smp)
-    model = smp.DistributedModel(module)
+    model = _placed_dynamic(smp)
 
     @smp.step
     def evaluate(model, x):
