@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <map>
@@ -23,12 +24,17 @@ using ::smp::internal::concat;
 //   [2]  seq         index of the message on its channel since start(), END included
 //   [3]  H           number of header ints
 //   [4]  N           number of tensors
-//   then per tensor: dtype (c10::ScalarType as an integer), ndim, size_0 ... size_{ndim-1}
-//   then the H header ints; the rest is zero.
+//   then per tensor: dtype (c10::ScalarType as an integer, plus kInline when its bytes are in
+//   this header), ndim, size_0 ... size_{ndim-1}
+//   then the H header ints, then the bytes of the inline tensors in tensor order, each from a
+//   slot boundary; the rest is zero.
 // The receiver checks magic, kind and seq, so a foreign, lost or duplicated message fails with
-// the peer named instead of pairing a header with the wrong payloads. The payloads follow in
-// tensor order, one send each, as bytes (a uint8 view of the contiguous tensor: any dtype, and
-// the backend need not support it); tensors with no elements send nothing.
+// the peer named instead of pairing a header with the wrong payloads. A tensor whose bytes fit
+// the header's free slots (taken in tensor order) travels inline: the pickled skeleton of a
+// call's arguments or outputs does, so most messages are one send instead of two. The other
+// payloads follow in tensor order, one send each, as bytes (a uint8 view of the contiguous
+// tensor: any dtype, and the backend need not support it); tensors with no elements send
+// nothing.
 
 namespace internal {
 namespace {
@@ -37,6 +43,7 @@ constexpr int64_t kMagic = 0x736d7074726e7331;  // "smptrns1"
 constexpr int64_t kData = 0;
 constexpr int64_t kEnd = 1;
 constexpr int64_t kFixedSlots = 5;
+constexpr int64_t kInline = int64_t{1} << 32;  // added to a tensor's dtype code: bytes inline
 // Longer waits are clamped (a caller may pass "forever"): deadlines must not overflow.
 constexpr std::chrono::milliseconds kMaxWait = std::chrono::hours(24 * 365);
 
@@ -248,7 +255,13 @@ struct Parsed {
   std::vector<int64_t> header;
   std::vector<at::ScalarType> dtypes;
   std::vector<std::vector<int64_t>> sizes;
+  std::vector<int64_t> inline_slot;  // per tensor: where its bytes start in the header, or -1
 };
+
+int64_t slots_for(int64_t nbytes) {
+  return (nbytes + static_cast<int64_t>(sizeof(int64_t)) - 1) /
+         static_cast<int64_t>(sizeof(int64_t));
+}
 
 // Decodes and checks a wire header (see Note [Wire header]); throws TransportError on anything
 // a well-behaved peer cannot have sent.
@@ -271,14 +284,17 @@ Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int
     throw corrupt(concat(num_header, " header ints and ", num_tensors, " tensors"));
   }
   int64_t pos = kFixedSlots;
+  std::vector<bool> inlined;
   for (int64_t i = 0; i < num_tensors; ++i) {
     if (pos + 2 > Transport::kHeaderSlots) throw corrupt("tensor metadata overflows the header");
-    const int64_t dtype = w[pos];
+    int64_t dtype = w[pos];
     const int64_t ndim = w[pos + 1];
     pos += 2;
+    inlined.push_back(dtype >= kInline);
+    if (inlined.back()) dtype -= kInline;
     if (dtype < 0 || dtype >= static_cast<int64_t>(at::ScalarType::NumOptions) ||
         dtype == static_cast<int64_t>(at::ScalarType::Undefined)) {
-      throw corrupt(concat("tensor ", i, " has dtype code ", dtype));
+      throw corrupt(concat("tensor ", i, " has dtype code ", w[pos - 2]));
     }
     if (ndim < 0 || pos + ndim > Transport::kHeaderSlots) {
       throw corrupt(concat("tensor ", i, " has ndim ", ndim));
@@ -293,6 +309,27 @@ Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int
   }
   if (pos + num_header > Transport::kHeaderSlots) throw corrupt("header ints overflow the header");
   parsed.header.assign(w + pos, w + pos + num_header);
+  pos += num_header;
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    if (!inlined[i]) {
+      parsed.inline_slot.push_back(-1);
+      continue;
+    }
+    // Overflow-safe: every size is checked against what is left of the header.
+    int64_t nbytes = static_cast<int64_t>(c10::elementSize(parsed.dtypes[i]));
+    const int64_t room = (Transport::kHeaderSlots - pos) * static_cast<int64_t>(sizeof(int64_t));
+    for (int64_t size : parsed.sizes[i]) {
+      if (size > 0 && nbytes > room / size) {
+        throw corrupt(concat("inline tensor ", i, " overflows the header"));
+      }
+      nbytes *= size;
+    }
+    if (nbytes == 0 || nbytes > room) {
+      throw corrupt(concat("inline tensor ", i, " of ", nbytes, " bytes overflows the header"));
+    }
+    parsed.inline_slot.push_back(pos);
+    pos += slots_for(nbytes);
+  }
   return parsed;
 }
 
@@ -323,7 +360,10 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
       bool stopped = false;
       for (size_t i = 0; i < parsed.dtypes.size() && !stopped; ++i) {
         at::Tensor tensor = at::empty(parsed.sizes[i], at::TensorOptions().dtype(parsed.dtypes[i]));
-        if (tensor.numel() > 0) {
+        if (parsed.inline_slot[i] >= 0) {
+          std::memcpy(tensor.data_ptr(), wire.data_ptr<int64_t>() + parsed.inline_slot[i],
+                      tensor.nbytes());
+        } else if (tensor.numel() > 0) {
           // The peer is sending this message now: its parts follow within the timeout.
           stopped = !receive_part(s, c, as_bytes(tensor), clamp_wait(s.timeout),
                                   concat("tensor ", i, " of message #", seq));
@@ -549,16 +589,29 @@ void Transport::send(int peer, const std::vector<int64_t>& header,
   w[3] = static_cast<int64_t>(header.size());
   w[4] = static_cast<int64_t>(tensors.size());
   int64_t pos = internal::kFixedSlots;
-  std::vector<at::Tensor> payloads;
+  std::vector<int64_t> dtype_slot;
   for (const at::Tensor& t : tensors) {
+    dtype_slot.push_back(pos);
     w[pos++] = static_cast<int64_t>(t.scalar_type());
     w[pos++] = t.dim();
     for (int64_t size : t.sizes()) w[pos++] = size;
-    if (t.numel() > 0) {
-      payloads.push_back(internal::as_bytes(t.detach().resolve_conj().resolve_neg().contiguous()));
-    }
   }
   std::copy(header.begin(), header.end(), w + pos);
+  pos += static_cast<int64_t>(header.size());
+  std::vector<at::Tensor> payloads;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    at::Tensor bytes = internal::as_bytes(t.detach().resolve_conj().resolve_neg().contiguous());
+    const int64_t slots = internal::slots_for(bytes.numel());
+    if (pos + slots <= kHeaderSlots) {
+      std::memcpy(w + pos, bytes.data_ptr(), bytes.numel());
+      w[dtype_slot[i]] += internal::kInline;
+      pos += slots;
+    } else {
+      payloads.push_back(std::move(bytes));
+    }
+  }
   internal::send_message(s, *channel, wire, std::move(payloads), "message");
 }
 

@@ -4,8 +4,9 @@
 // gradients) through one Transport per rank. A message is a list of int64 (the header: message
 // kind, ids, ... — the runtime decides) plus a list of tensors. On the wire a message is one
 // fixed-size int64 tensor of kHeaderSlots entries (the wire header; Note [Wire header] in
-// transport.cpp has its layout) and then one payload send per non-empty tensor, all to the same
-// peer on the same tag.
+// transport.cpp has its layout), which also carries the bytes of the tensors that fit in its
+// free entries, and then one payload send per other non-empty tensor, all to the same peer on
+// the same tag.
 //
 // The rules below come from peers' bugs on gloo (docs/design.md §4):
 //   - One FIFO channel per peer pair: messages from one peer arrive in the order they were sent,

@@ -252,6 +252,84 @@ TEST(TransportTest, ReuseOverSeveralSteps) {
   expect_no_errors(errors);
 }
 
+// Tensors whose bytes fit the wire header's free slots travel inside it (Note [Wire header]):
+// a message of small tensors is one send, each larger tensor adds one, and every tensor arrives
+// exact whichever way it went — also a small one after a large one, and one that no longer fits
+// because the header ints took the room.
+TEST(TransportTest, SmallTensorsTravelInsideTheHeader) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const at::Tensor skeleton = at::arange(300, at::kByte);  // 300 bytes: inline
+  const at::Tensor odd = at::arange(3, at::kShort);        // 6 bytes, padded to a slot
+  const at::Tensor big = at::arange(2000, at::kDouble);    // 16000 bytes: a payload
+  const at::Tensor strided = (at::arange(960, at::kFloat).reshape({32, 30}) - 7).t();
+  struct Case {
+    std::vector<int64_t> header;
+    std::vector<at::Tensor> tensors;
+    int64_t sends;
+  };
+  const std::vector<int64_t> long_header(Transport::kHeaderSlots - 5 - 3 * 2 - 30, -5);
+  const std::vector<Case> cases = {
+      {{1}, {skeleton, odd}, 1},
+      {{2, 3}, {big, skeleton}, 2},
+      // strided (3840 bytes) would fit alone, not after skeleton and odd: a payload
+      {{4}, {skeleton, big, odd, strided}, 3},
+      {long_header, {odd, skeleton, odd}, 2},  // 30 free slots: odd, odd inline; skeleton not
+  };
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    if (r == 0) {
+      for (const Case& c : cases) {
+        const int64_t before = rank.backend->num_send_.load();
+        transport.send(1, c.header, c.tensors);
+        EXPECT_EQ(rank.backend->num_send_.load() - before, c.sends) << "header " << c.header[0];
+      }
+    } else {
+      for (const Case& c : cases) {
+        std::optional<Message> got = transport.recv(kLong);
+        ASSERT_TRUE(got.has_value());
+        EXPECT_EQ(got->header, c.header);
+        ASSERT_EQ(got->tensors.size(), c.tensors.size());
+        for (size_t k = 0; k < c.tensors.size(); ++k) {
+          EXPECT_EQ(got->tensors[k].scalar_type(), c.tensors[k].scalar_type());
+          EXPECT_TRUE(at::equal(got->tensors[k], c.tensors[k]))
+              << "header " << c.header[0] << " tensor " << k;
+        }
+      }
+    }
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
+// A header that claims an inline tensor larger than the room left is refused as corrupt.
+TEST(TransportTest, OversizedInlineTensorIsACorruptHeader) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    if (r == 1) {
+      // magic, data, seq 0, no header ints, one float tensor of 5000 elements marked inline
+      at::Tensor wire = at::zeros({Transport::kHeaderSlots}, at::kLong);
+      int64_t* w = wire.data_ptr<int64_t>();
+      w[0] = 0x736d7074726e7331;
+      w[4] = 1;
+      w[5] = static_cast<int64_t>(at::kFloat) + (int64_t{1} << 32);
+      w[6] = 1;
+      w[7] = 5000;
+      std::vector<at::Tensor> parts{wire};
+      rank.group->send(parts, 0, kTag)->wait();
+      return;
+    }
+    Transport transport(rank.group, {1}, kLong, kTag);
+    transport.start();
+    expect_throw<TransportError>(
+        [&] { transport.recv(kLong); },
+        {"corrupt message #0 from peer 1", "inline tensor 0", "overflows the header"});
+  });
+  expect_no_errors(errors);
+}
+
 TEST(TransportTest, RecvReturnsNulloptOnceEveryPeerFinished) {
   auto world = std::make_shared<ThreadWorld>(2);
   std::vector<Rank> ranks;
