@@ -6,7 +6,8 @@ string form ``<stage><type><microbatch>`` (``1F3``: stage 1 ran forward work of 
 ``0B2``: backward work of microbatch 2), with wall-clock start and end times. The dynamic runtime
 splits a microbatch's work on a stage wherever it waited for another stage, so one (stage,
 microbatch, type) may appear as several pieces; :meth:`Timeline.program` merges consecutive
-pieces. Recording costs two clock reads per task.
+pieces, and :meth:`Timeline.to_schedule` projects the step onto a schedule the IR's validator,
+simulator and CSV export take. Recording costs two clock reads per task.
 
     timeline = smp.last_step_timeline()
     if smp.rank() == 0:
@@ -60,6 +61,38 @@ class Timeline:
                     merged.append(a.action)
             out[rank] = merged
         return out
+
+    def to_schedule(self) -> list[list[Any]]:
+        """The step as a compute-only schedule in the IR: one program per pipeline stage (from
+        the lowest rank of each stage; data- and tensor-parallel replicas run the same
+        microbatches), one ``smp._C.schedule.Action`` per (stage, type, microbatch).
+
+        The dynamic runtime runs a (stage, type, microbatch) in pieces, and the leader's
+        forward encloses every other stage's (its root module calls them). The projection
+        places a forward where its first piece started and a backward where its last piece
+        ended, which is where a chain schedule has them: a stage's forward of a microbatch
+        starts before the next stage's, and its backward completes after the next stage's.
+        For a model whose stages call each other in a chain the result passes
+        ``smp._C.schedule.validate_schedule``; ``smp._C.schedule.to_csv`` writes it in
+        torch.distributed.pipelining's CSV form, and ``simulate`` replays it.
+        """
+        from smp import _C
+
+        parse = _C.schedule.parse_action
+        by_stage: dict[int, list[TimedAction]] = {}
+        for rank in sorted(self.ranks):
+            if self.ranks[rank]:
+                by_stage.setdefault(parse(self.ranks[rank][0].action).stage, self.ranks[rank])
+        programs = []
+        for stage in sorted(by_stage):
+            at: dict[str, float] = {}
+            for a in by_stage[stage]:
+                if "F" in a.action:
+                    at[a.action] = min(at.get(a.action, a.start), a.start)
+                else:
+                    at[a.action] = max(at.get(a.action, a.end), a.end)
+            programs.append([parse(action) for action in sorted(at, key=at.__getitem__)])
+        return programs
 
     def busy_fraction(self, rank: int) -> float:
         """Time ``rank`` spent in recorded work over the step's span."""

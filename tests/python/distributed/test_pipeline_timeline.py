@@ -32,7 +32,14 @@ def _timeline_worker(tmp: str, schedule: str) -> dict:
     timeline.save_chrome_trace(path)
     with open(path) as f:
         trace = json.load(f)
+    from smp import _C
+
+    schedule = timeline.to_schedule()
+    # Every (stage, type, microbatch) once, in an order the chain's dependencies allow.
+    _C.schedule.validate_schedule(schedule, 2, 4, [0, 1])
     return {
+        "schedule": [[str(a) for a in program] for program in schedule],
+        "csv": _C.schedule.to_csv(schedule),
         "program": timeline.program(),
         "spans": {r: [(a.start, a.end) for a in acts] for r, acts in timeline.ranks.items()},
         "pieces_by_action": {
@@ -61,6 +68,32 @@ def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, sched
             assert program.index(f"{rank}F{mb}") < program.index(f"{rank}B{mb}")
     assert r["events"] == r["pieces"]
     _check_causality(r["pieces_by_action"], microbatches=4)
+    # The projection onto the IR (validated in the workers) holds each action once per stage.
+    for stage, program in enumerate(r["schedule"]):
+        assert sorted(program) == sorted(f"{stage}{k}{mb}" for k in "FB" for mb in range(4))
+        assert program.index(f"{stage}F0") < program.index(f"{stage}B0")
+    assert r["csv"].splitlines()[0].startswith("0F0,")
+
+
+def test_a_schedule_the_runtime_could_not_have_run_is_rejected():
+    """The validator the timeline test relies on fails an order no run can have: stage 0 waits
+    for backward 0 before it starts forward 1, while stage 1 wants forward 1 before backward 0."""
+    from smp import _C
+    from smp.timeline import TimedAction, Timeline
+
+    def acts(names):
+        return [TimedAction(n, float(i), float(i) + 0.5) for i, n in enumerate(names)]
+
+    timeline = Timeline(
+        {0: acts(["0F0", "0B0", "0F1", "0B1"]), 1: acts(["1F0", "1F1", "1B1", "1B0"])}
+    )
+    schedule = timeline.to_schedule()
+    assert [[str(a) for a in p] for p in schedule] == [
+        ["0F0", "0B0", "0F1", "0B1"],
+        ["1F0", "1F1", "1B1", "1B0"],
+    ]
+    with pytest.raises(ValueError, match="deadlocks"):
+        _C.schedule.validate_schedule(schedule, 2, 2, [0, 1])
 
 
 def _check_causality(ranks: dict, microbatches: int, skew: float = 1e-3) -> None:
