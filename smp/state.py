@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import logging
 import os
 from typing import Any
@@ -270,9 +271,8 @@ def shutdown() -> None:
     if state is None:
         return
     # Pipeline transports first: their receiver threads use the groups destroyed below.
-    for close in list(state.closers):
-        close()
-    state.closers.clear()
+    while state.closers:
+        state.closers.pop(0)()
     if not dist.is_initialized():
         return
     # Destroy together: a rank tearing its gloo groups down while a peer is still inside a
@@ -284,9 +284,14 @@ def shutdown() -> None:
         _meet_in_store(state, min(30.0, state.config.timeout_s))
     if state.owns_default_group:
         dist.destroy_process_group()
-        return
-    seen = set()
-    for group in state.groups.values():
-        if id(group) not in seen:
-            seen.add(id(group))
-            dist.destroy_process_group(group)
+    else:
+        groups = list({id(g): g for g in state.groups.values()}.values())
+        while groups:  # in creation order, holding no reference afterwards
+            dist.destroy_process_group(groups.pop(0))
+    # A destroyed gloo group keeps its connections and threads until its last reference goes,
+    # and a failed step's exception often keeps the model, and through it the groups, in a
+    # reference cycle (traceback -> frame -> locals). A group whose peers have freed theirs
+    # then spins its event loop on the closed connections at 100 % of a core. Collect such
+    # cycles now, while every rank is tearing down together.
+    del state
+    gc.collect()

@@ -289,3 +289,55 @@ def _clip_worker():
 def test_clip_grad_norm_uses_the_global_norm(pools):
     norms = pools.run(2, _clip_worker)
     assert norms[0] == norms[1] and norms[0] > 0.5
+
+
+def _gloo_loop_threads() -> int:
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == "gloo_tcp_loop"
+        except OSError:
+            pass
+    return count
+
+
+def _fail_a_pipelined_step() -> None:
+    """Runs one pipelined step that fails, keeping the error the way test code does (its
+    traceback references this frame, which references the model: a reference cycle)."""
+    import pytest
+
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    model = smp.DistributedModel(MLP())
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x).square().mean()
+        model.backward(loss)
+        raise KeyError("boom after backward")
+
+    with pytest.raises(Exception, match="boom after backward") as caught:
+        train_step(model, torch.ones(4, 12))
+    assert caught.value is not None
+
+
+def _shutdown_releases_groups_worker():
+    import smp
+
+    smp.shutdown()  # the pool's own leftovers, if any, out of the count
+    before = _gloo_loop_threads()
+    for _ in range(3):
+        _fail_a_pipelined_step()
+        smp.shutdown()
+    return before, _gloo_loop_threads()
+
+
+def test_shutdown_frees_groups_kept_alive_by_a_failed_steps_traceback(pools):
+    """A destroyed gloo group keeps its connections and event-loop thread while anything
+    references it; a failed step's traceback keeps the model (and so the groups) in a cycle.
+    smp.shutdown() collects such cycles, so repeated init / failed step / shutdown does not
+    accumulate groups (whose loops spin once their peers have closed the connections)."""
+    for before, after in pools.run(2, _shutdown_releases_groups_worker):
+        assert after <= before, (before, after)
