@@ -288,6 +288,7 @@ class _Threads:
         self.lock = threading.Lock()
         self.idle: list[Any] = []  # inboxes (queue.SimpleQueue) of parked threads
         self.count = 0
+        self.closed = False
 
     def run(self, worker: _Worker) -> None:
         with self.lock:
@@ -303,13 +304,19 @@ class _Threads:
     def _serve(self, inbox) -> None:
         while (worker := inbox.get()) is not None:
             worker.run(lambda: self._park(inbox))
+            worker = None  # a parked thread holds nothing of the step it ran
 
     def _park(self, inbox) -> None:
         with self.lock:
-            self.idle.append(inbox)
+            if self.closed:
+                inbox.put(None)  # closed while this thread ran a worker: it ends now
+            else:
+                self.idle.append(inbox)
 
     def close(self) -> None:
+        """Ends every thread: parked ones now, busy ones when their worker finishes."""
         with self.lock:
+            self.closed = True
             idle, self.idle = self.idle, []
         for inbox in idle:
             inbox.put(None)
