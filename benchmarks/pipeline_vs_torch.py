@@ -5,8 +5,10 @@ p = 2 (or ``--stages 4``) with 8 microbatches of 4 sequences x 128 tokens, one g
 stage with one thread each:
 
   - smp: ``pipeline_parallel_degree=2``, ``microbatches=8``, "interleaved" (1F1B-like) policy;
-    the partitioner places the modules; once with asynchronous cross-stage calls (the default)
-    and once with ``pipeline_async_calls=False`` (every call waits for its reply);
+    the partitioner places the modules; with its defaults (asynchronous cross-stage calls, and
+    weight gradients apart from input gradients on the later stages: a zero-bubble split),
+    without the split (``deferred_weight_microbatches=0``), and with
+    ``pipeline_async_calls=False`` too (every call waits for its reply);
   - torch: ``torch.distributed.pipelining`` with ``Schedule1F1B``, the model cut by hand at the
     boundaries smp's partitioner chose, so both run the same stages;
   - ideal: ``m / (m + p - 1)`` of perfect scaling, computed from the measured forward + backward
@@ -37,6 +39,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _launch import run_ranks, timed  # noqa: E402
 
 MICRO, SEQ, M = 4, 128, 8
+# smp's variants, in the order each round runs them (config options; row labels below).
+VARIANTS = {
+    "sync": {"pipeline_async_calls": False, "deferred_weight_microbatches": 0},
+    "no_split": {"deferred_weight_microbatches": 0},
+    "default": {},
+}
+LABELS = {
+    "sync": "smp, synchronous calls, no split",
+    "no_split": "smp, async calls, no split",
+    "default": "smp, default (async, split)",
+}
 BATCH = MICRO * M
 LAYERS = 8
 
@@ -110,10 +123,8 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
     data = _data(steps + warmup)
     cuts = _cuts(p)
 
-    def smp_runner(async_calls: bool):
-        smp.init(
-            {"pipeline_parallel_degree": p, "microbatches": M, "pipeline_async_calls": async_calls}
-        )
+    def smp_runner(options: dict):
+        smp.init({"pipeline_parallel_degree": p, "microbatches": M, **options})
         model = smp.DistributedModel(_gpt())
         opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
 
@@ -146,26 +157,20 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
             schedule.step()
         torch_opt.step()
 
-    smp_s = sync_s = torch_s = float("inf")
+    best = {name: float("inf") for name in (*VARIANTS, "torch")}
     for _ in range(rounds):
-        step = smp_runner(async_calls=False)
-        sync_s = min(sync_s, timed(step, data, warmup))
-        smp.shutdown()
-        step = smp_runner(async_calls=True)
-        smp_s = min(smp_s, timed(step, data, warmup))
-        torch_s = min(torch_s, timed(torch_step, data, warmup))
+        for name, options in VARIANTS.items():  # the default last: its timeline is kept
+            step = smp_runner(options)
+            best[name] = min(best[name], timed(step, data, warmup))
+            if name != "default":
+                smp.shutdown()
+        best["torch"] = min(best["torch"], timed(torch_step, data, warmup))
         step(*data[0])
         timeline = smp.last_step_timeline()
         smp.shutdown()
     if rank == 0 and trace:
         timeline.save_chrome_trace(trace)
-    return {
-        "cuts": cuts,
-        "smp_s": smp_s,
-        "smp_sync_s": sync_s,
-        "torch_s": torch_s,
-        "smp_timeline": timeline.summary(),
-    }
+    return {"cuts": cuts, "seconds": best, "smp_timeline": timeline.summary()}
 
 
 def _stage_times(cuts: list[int], reps: int = 5) -> tuple[list[float], float]:
@@ -223,8 +228,7 @@ def main() -> None:
     stage_s, fwd = _stage_times(r["cuts"])
     samples = args.steps * BATCH
     ideal = samples / (args.steps * (M + p - 1) * max(stage_s))
-    smp_rate, torch_rate = samples / r["smp_s"], samples / r["torch_s"]
-    sync_rate = samples / r["smp_sync_s"]
+    rate = {name: samples / seconds for name, seconds in r["seconds"].items()}
     cuts = r["cuts"]
     print(f"GPT 8 layers n_embd 384 (untied head), p={p}, m={M} microbatches of {MICRO} x {SEQ} "
           f"tokens; gloo, 1 thread per process")  # fmt: skip
@@ -233,17 +237,15 @@ def main() -> None:
     per_stage = " / ".join(f"{t * 1e3:.1f}" for t in stage_s)
     print(f"one microbatch forward, whole model: {fwd * 1e3:.1f} ms; fwd+bwd per stage: "
           f"{per_stage} ms")  # fmt: skip
-    print(f"ideal (m/(m+p-1) from stage times)    {ideal:7.2f} samples/s")
-    print(f"torch.distributed.pipelining 1F1B     {torch_rate:7.2f} samples/s   "
-          f"{torch_rate / ideal:.3f} of ideal")  # fmt: skip
-    print(f"smp, synchronous calls                {sync_rate:7.2f} samples/s   "
-          f"{sync_rate / ideal:.3f} of ideal   {sync_rate / torch_rate:.3f}x torch")  # fmt: skip
-    print(f"smp, asynchronous calls (default)     {smp_rate:7.2f} samples/s   "
-          f"{smp_rate / ideal:.3f} of ideal   {smp_rate / torch_rate:.3f}x torch")  # fmt: skip
+    print(f"{'ideal (m/(m+p-1) from stage times)':38s}{ideal:7.2f} samples/s")
+    print(f"{'torch.distributed.pipelining 1F1B':38s}{rate['torch']:7.2f} samples/s   "
+          f"{rate['torch'] / ideal:.3f} of ideal")  # fmt: skip
+    for name in VARIANTS:
+        print(f"{LABELS[name]:38s}{rate[name]:7.2f} samples/s   {rate[name] / ideal:.3f} of "
+              f"ideal   {rate[name] / rate['torch']:.3f}x torch")  # fmt: skip
     print("smp's last step (smp.last_step_timeline()):\n" + r["smp_timeline"])
     if args.json:
-        r.update(ideal=ideal, smp=smp_rate, smp_sync=sync_rate, torch=torch_rate)
-        r.update(stage_s=stage_s, forward_s=fwd)
+        r.update(ideal=ideal, rates=rate, stage_s=stage_s, forward_s=fwd)
         args.json.write_text(json.dumps(r, indent=2))
 
 

@@ -65,6 +65,10 @@ class Config:
     when the module's output structure is known from an earlier call (design.md §4c)."""
     active_microbatches: int | None = None
     """Most microbatches in flight at once; None means ``min(pp + 2, microbatches)``."""
+    deferred_weight_microbatches: int | None = None
+    """Stages other than the first compute a served call's input gradients first and its weight
+    gradients when idle (a zero-bubble split, design.md §4g), for at most this many
+    microbatches at once; 0 turns the split off. None means ``min(pp, microbatches)``."""
     optimize: str = "speed"
     """TP layout and partition weighting: ``"speed"`` (Megatron-style) or ``"memory"``."""
     memory_weight: float | None = None
@@ -150,6 +154,17 @@ class Config:
         elif not (_is_int(active) and 1 <= active <= self.microbatches):
             _fail("active_microbatches", f"an int in [1, microbatches={self.microbatches}]", active)
         object.__setattr__(self, "active_microbatches", active)
+
+        deferred = self.deferred_weight_microbatches
+        if deferred is None:
+            deferred = min(pp, self.microbatches)
+        elif not (_is_int(deferred) and 0 <= deferred <= self.microbatches):
+            _fail(
+                "deferred_weight_microbatches",
+                f"an int in [0, microbatches={self.microbatches}]",
+                deferred,
+            )
+        object.__setattr__(self, "deferred_weight_microbatches", deferred)
 
         if self.fp16 and self.bf16:
             raise ValueError(

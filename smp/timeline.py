@@ -3,11 +3,12 @@
 ``smp.last_step_timeline()`` gathers every rank's record of its last pipelined step (a collective:
 every rank must call it). Each record is a list of :class:`TimedAction` in the schedule IR's
 string form ``<stage><type><microbatch>`` (``1F3``: stage 1 ran forward work of microbatch 3;
-``0B2``: backward work of microbatch 2), with wall-clock start and end times. The dynamic runtime
-splits a microbatch's work on a stage wherever it waited for another stage, so one (stage,
-microbatch, type) may appear as several pieces; :meth:`Timeline.program` merges consecutive
-pieces, and :meth:`Timeline.to_schedule` projects the step onto a schedule the IR's validator,
-simulator and CSV export take. Recording costs two clock reads per task.
+``0B2``: backward work of microbatch 2; ``1W2``: weight gradients of microbatch 2 computed
+apart from its input gradients, design.md §4g), with wall-clock start and end times. The
+dynamic runtime splits a microbatch's work on a stage wherever it waited for another stage, so
+one (stage, microbatch, type) may appear as several pieces; :meth:`Timeline.program` merges
+consecutive pieces, and :meth:`Timeline.to_schedule` projects the step onto a schedule the IR's
+validator, simulator and CSV export take. Recording costs two clock reads per task.
 
     timeline = smp.last_step_timeline()
     if smp.rank() == 0:
@@ -91,7 +92,17 @@ class Timeline:
                     at[a.action] = min(at.get(a.action, a.start), a.start)
                 else:
                     at[a.action] = max(at.get(a.action, a.end), a.end)
-            programs.append([parse(action) for action in sorted(at, key=at.__getitem__)])
+            # A microbatch whose weight gradients ran apart: its "B" pieces were the input half
+            # (I), and the weight half (W) counts as done once both halves are.
+            for action in [a for a in at if "W" in a]:
+                backward = action.replace("W", "B")
+                if backward in at:
+                    at[backward.replace("B", "I")] = at.pop(backward)
+                    at[action] = max(at[action], at[backward.replace("B", "I")])
+            order = {"F": 0, "B": 1, "I": 1, "W": 2}  # equal times: I before its W
+            actions = [parse(action) for action in at]
+            actions.sort(key=lambda a: (at[str(a)], order[a.type]))
+            programs.append(actions)
         return programs
 
     def busy_fraction(self, rank: int) -> float:
@@ -122,7 +133,7 @@ class Timeline:
                     {
                         "ph": "X",
                         "name": a.action,
-                        "cat": "backward" if "B" in a.action else "forward",
+                        "cat": _category(a.action),
                         "pid": rank,
                         "tid": 0,
                         "ts": (a.start - t0) * 1e6,
@@ -132,7 +143,8 @@ class Timeline:
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
     def plot(self, path: str | Path) -> None:
-        """Writes a PNG: one row per rank, forward pieces blue, backward orange, labelled."""
+        """Writes a PNG: one row per rank, forward pieces blue, backward orange, weight
+        gradients computed apart green, labelled."""
         try:
             import matplotlib
 
@@ -148,7 +160,7 @@ class Timeline:
         fig, ax = plt.subplots(figsize=(12, 0.6 + 0.5 * len(ranks)))
         for row, rank in enumerate(ranks):
             for a in self.ranks[rank]:
-                color = "tab:orange" if "B" in a.action else "tab:blue"
+                color = _COLORS[_category(a.action)]
                 width = (a.end - a.start) * 1e3
                 ax.barh(row, width, left=(a.start - t0) * 1e3, color=color, edgecolor="white")
                 if width > 0.04 * (self.end - t0) * 1e3:
@@ -160,6 +172,13 @@ class Timeline:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+_COLORS = {"forward": "tab:blue", "backward": "tab:orange", "weight": "tab:green"}
+
+
+def _category(action: str) -> str:
+    return "weight" if "W" in action else "backward" if "B" in action else "forward"
 
 
 def last_step_timeline() -> Timeline:

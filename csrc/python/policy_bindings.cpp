@@ -19,7 +19,8 @@ void init_policy_bindings(py::module_& m) {
       .value("START_MICROBATCH", TaskKind::kStartMicrobatch)
       .value("SERVE_REQUEST", TaskKind::kServeRequest)
       .value("RESUME", TaskKind::kResume)
-      .value("BACKWARD", TaskKind::kBackward);
+      .value("BACKWARD", TaskKind::kBackward)
+      .value("WEIGHT", TaskKind::kWeight);
   m.def("task_kind_name", &task_kind_name, py::arg("kind"));
 
   py::class_<Task>(m, "Task", "One runnable task of the pipeline server; read-only.")
@@ -39,15 +40,16 @@ void init_policy_bindings(py::module_& m) {
   py::class_<ServerPolicy>(m, "ServerPolicy",
                            "Task queue and scheduling policy of one rank's pipeline server "
                            "(smp/server_policy.h).")
-      .def(py::init<PipelineKind, int, int, bool>(), py::arg("kind"), py::arg("num_microbatches"),
-           py::arg("active_microbatches"), py::arg("is_leader"))
+      .def(py::init<PipelineKind, int, int, bool, int>(), py::arg("kind"),
+           py::arg("num_microbatches"), py::arg("active_microbatches"), py::arg("is_leader"),
+           py::arg("deferred_weight_microbatches") = 0)
       .def(py::init([](const std::string& kind, int num_microbatches, int active_microbatches,
-                       bool is_leader) {
+                       bool is_leader, int deferred_weight_microbatches) {
              return ServerPolicy(parse_pipeline_kind(kind), num_microbatches, active_microbatches,
-                                 is_leader);
+                                 is_leader, deferred_weight_microbatches);
            }),
            py::arg("kind"), py::arg("num_microbatches"), py::arg("active_microbatches"),
-           py::arg("is_leader"))
+           py::arg("is_leader"), py::arg("deferred_weight_microbatches") = 0)
       .def("push", &ServerPolicy::push, py::arg("kind"), py::arg("microbatch"), py::arg("id"))
       .def("next", &ServerPolicy::next)
       .def("on_forward_done", &ServerPolicy::on_forward_done, py::arg("microbatch"))
@@ -56,6 +58,8 @@ void init_policy_bindings(py::module_& m) {
       .def_property_readonly("num_microbatches", &ServerPolicy::num_microbatches)
       .def_property_readonly("active_microbatches", &ServerPolicy::active_microbatches)
       .def_property_readonly("is_leader", &ServerPolicy::is_leader)
+      .def_property_readonly("deferred_weight_microbatches",
+                             &ServerPolicy::deferred_weight_microbatches)
       .def("num_queued", &ServerPolicy::num_queued)
       .def("num_in_flight", &ServerPolicy::num_in_flight)
       .def("num_started", &ServerPolicy::num_started)

@@ -7,9 +7,10 @@
 namespace smp::pytorch {
 
 PipelineServer::PipelineServer(Transport* transport, PipelineKind kind, int num_microbatches,
-                               int active_microbatches, bool is_leader)
+                               int active_microbatches, bool is_leader,
+                               int deferred_weight_microbatches)
     : transport_(transport),
-      policy_(kind, num_microbatches, active_microbatches, is_leader),
+      policy_(kind, num_microbatches, active_microbatches, is_leader, deferred_weight_microbatches),
       is_leader_(is_leader) {
   SMP_CHECK(transport_ != nullptr, "PipelineServer: transport must not be null");
 }

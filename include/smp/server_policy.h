@@ -11,7 +11,11 @@
 //   kResume           a suspended forward worker of microbatch m may continue (its reply arrived).
 //   kBackward         run a backward segment of microbatch m (its gradients arrived, or the
 //                     leader's model.backward(loss)).
-// Resume, request and start are "forward-type"; backward is "backward-type".
+//   kWeight           non-leaders only: the weight-gradient half of a backward segment whose
+//                     input gradients have been sent (a zero-bubble split, design.md §4g). Its
+//                     results stay on this rank, so it can wait: it fills time in which nothing
+//                     else may run, and the step is not over on this rank until it has run.
+// Resume, request and start are "forward-type"; backward and weight are "backward-type".
 //
 // Microbatch lifecycle, tracked on the leader only (pp rank 0, which runs the step function):
 //   not started ──next() hands out its start──▶ in flight (forward)
@@ -25,8 +29,10 @@
 // Policies (PipelineKind). Within one class, tasks run FIFO (by arrival), except backward tasks,
 // which run lowest microbatch first, then FIFO.
 //   interleaved (default, 1F1B-like):
-//     1. a resume   2. a backward   3. a request
-//     4. leader: start the next microbatch if fewer than active_microbatches are in flight.
+//     1. a resume   2. a backward   3. a weight, when queued weights span more microbatches
+//     than deferred_weight_microbatches   4. a request
+//     5. leader: start the next microbatch if fewer than active_microbatches are in flight
+//     6. a weight.
 //     A resume is short and others wait for it: on the leader it usually computes a loss and
 //     starts that microbatch's backward, which every other stage's backward waits for; a
 //     backward task is one slice of a worker's backward (design.md §4e), so a resume that
@@ -34,7 +40,11 @@
 //   simple (GPipe-like, all forwards then all backwards):
 //     1. a resume   2. a request   3. leader: start the next microbatch (no in-flight limit)
 //     4. a backward — on the leader only once every microbatch is forward done (or finished);
-//        on other ranks whenever no forward-type task is queued.
+//        on other ranks whenever no forward-type task is queued
+//     5. a weight. No limit: every microbatch's activations are alive when the backwards
+//        begin, so weights waiting for the end do not raise the peak.
+//   Weights run FIFO in both, so the weight gradients of a parameter are summed in the order
+//   their segments' input halves ran, whatever the timing.
 // next() returns std::nullopt when no queued task may run now; the runtime then waits for the
 // next event (a message), and a wait past timeout_s becomes an error that should quote
 // describe(). The simple leader's hold on backwards cannot deadlock a well-formed step: forward
@@ -81,6 +91,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -99,9 +110,9 @@ PipelineKind parse_pipeline_kind(const std::string& name);
 const char* pipeline_kind_name(PipelineKind kind);
 
 /// What a task does (file comment). kResume, kServeRequest and kStartMicrobatch are forward-type.
-enum class TaskKind { kStartMicrobatch, kServeRequest, kResume, kBackward };
+enum class TaskKind { kStartMicrobatch, kServeRequest, kResume, kBackward, kWeight };
 
-/// Short name of a task kind: "start", "request", "resume", "backward".
+/// Short name of a task kind: "start", "request", "resume", "backward", "weight".
 const char* task_kind_name(TaskKind kind);
 
 /// One runnable task.
@@ -128,16 +139,19 @@ struct Task {
 /// step.
 class ServerPolicy {
  public:
-  /// Throws smp::Error unless num_microbatches >= 1 and 1 <= active_microbatches <=
-  /// num_microbatches (the config rejects larger values too; "simple" ignores the limit).
-  /// `is_leader`: this rank runs the step function (pp rank 0); only the leader starts
-  /// microbatches and tracks their lifecycle.
-  ServerPolicy(PipelineKind kind, int num_microbatches, int active_microbatches, bool is_leader);
+  /// Throws smp::Error unless num_microbatches >= 1, 1 <= active_microbatches <=
+  /// num_microbatches (the config rejects larger values too; "simple" ignores the limit) and
+  /// deferred_weight_microbatches >= 0. `is_leader`: this rank runs the step function (pp rank
+  /// 0); only the leader starts microbatches and tracks their lifecycle.
+  /// `deferred_weight_microbatches` (interleaved): weight tasks of at most this many
+  /// microbatches wait for idle time; beyond that the oldest run before new forward work.
+  ServerPolicy(PipelineKind kind, int num_microbatches, int active_microbatches, bool is_leader,
+               int deferred_weight_microbatches = 0);
 
   /// Queues a task that became runnable and returns it with its sequence number. Throws
   /// smp::Error for a kStartMicrobatch (the leader generates those), a microbatch outside
-  /// [0, num_microbatches), and on the leader a microbatch not started or already finished, or a
-  /// backward of a microbatch whose forward is not done.
+  /// [0, num_microbatches), on the leader a kWeight, a microbatch not started or already
+  /// finished, or a backward of a microbatch whose forward is not done.
   Task push(TaskKind kind, int microbatch, int64_t id);
 
   /// Removes and returns the task to run now under the policy, or std::nullopt when no task may
@@ -157,6 +171,7 @@ class ServerPolicy {
   int num_microbatches() const { return num_microbatches_; }
   int active_microbatches() const { return active_microbatches_; }
   bool is_leader() const { return is_leader_; }
+  int deferred_weight_microbatches() const { return deferred_weight_microbatches_; }
 
   /// Tasks pushed and not yet handed out (starts not yet handed out are not counted).
   size_t num_queued() const;
@@ -185,6 +200,8 @@ class ServerPolicy {
   void check_leader(const char* what) const;
   bool may_start() const;
   bool may_run_backward() const;
+  bool weights_overflow() const;
+  Task pop_weight();
   Task take_start();
   static Task pop_front(std::deque<Task>& queue);
 
@@ -197,6 +214,9 @@ class ServerPolicy {
   std::deque<Task> resumes_;
   std::deque<Task> requests_;
   std::set<Task, BackwardOrder> backwards_;
+  int deferred_weight_microbatches_;
+  std::deque<Task> weights_;
+  std::map<int, int> weights_per_microbatch_;  // microbatch -> its queued weight tasks
 
   // Leader lifecycle; phase_ is empty on other ranks.
   std::vector<Phase> phase_;

@@ -412,8 +412,21 @@ class PipelineRuntime:
         self.push_outputs: dict[tuple, bool] = {}
         self.unstable: set[tuple] = set()
         self.threads = _Threads()
-        # Not with TP either: its ranks must run the same tasks, slices included.
-        self.slice_before = self._slice_modules(costs or {}) if self.forward_direct else set()
+        # Zero-bubble split (design.md §4g): stages other than the leader's compute a served
+        # call's input gradients first and its weight gradients when idle. Not with TP (its
+        # ranks must run the same tasks, and weight tasks fill idle time).
+        self.deferred_weights = int(getattr(state.config, "deferred_weight_microbatches", 0) or 0)
+        self.split_weights = (
+            self.stage != 0 and self.deferred_weights > 0 and self.order_group is None
+        )
+        # Not with TP either: its ranks must run the same tasks, slices included. Not where
+        # served calls are split: a served call's backward is then one segment, so all of its
+        # weight gradients can wait.
+        self.slice_before = (
+            self._slice_modules(costs or {})
+            if self.forward_direct and not self.split_weights
+            else set()
+        )
         self._install_stubs()
         state.closers.append(self.close)
         state.runtimes.append(self)
@@ -627,7 +640,12 @@ class PipelineRuntime:
         if self.order_transport is not None:
             self.order_transport.start()
         self.server = _C.PipelineServer(
-            self.transport, cfg.pipeline, cfg.microbatches, cfg.active_microbatches, leader
+            self.transport,
+            cfg.pipeline,
+            cfg.microbatches,
+            cfg.active_microbatches,
+            leader,
+            self.deferred_weights if self.split_weights else 0,
         )
         self.policy = self.server.policy
         self.results: list[Any] = [None] * cfg.microbatches
@@ -636,6 +654,8 @@ class PipelineRuntime:
         self.reply_tasks: dict[int, _Call] = {}  # task id -> call awaiting its REPLY
         self.continuations: dict[int, _Worker] = {}  # task id -> worker at a backward slice
         self.slices_run = 0  # backward slices run as their own task this step
+        self.weight_tasks: dict[int, segments.WeightGrads] = {}  # task id -> weight half
+        self.weights_run = 0  # weight halves run as their own task this step
         self.served_calls: dict[tuple[int, int], _Worker] = {}  # (caller stage, call id)
         self.early_fetches: dict[tuple[int, int], list] = {}  # (caller stage, call id) -> FETCHes
         self.step_workers: dict[int, _Worker] = {}  # microbatch -> leader worker
@@ -692,6 +712,7 @@ class PipelineRuntime:
             self.reply_tasks,
             self.grad_tasks,
             self.continuations,
+            self.weight_tasks,
             self.served_calls,
             self.early_fetches,
         ):
@@ -726,6 +747,8 @@ class PipelineRuntime:
                 self._serve(task.id, *message)
             elif kind == _C.TaskKind.RESUME:
                 self._reply_arrived(self.reply_tasks.pop(task.id), message)
+            elif kind == _C.TaskKind.WEIGHT:
+                self._run_weights(task.microbatch, self.weight_tasks.pop(task.id))
             elif message is None:  # the next backward slice of a worker
                 worker = self.continuations.pop(task.id)
                 self.slices_run += 1
@@ -1074,6 +1097,15 @@ class PipelineRuntime:
         finally:
             self.recorder.end()
 
+    def _run_weights(self, microbatch: int, weights: segments.WeightGrads) -> None:
+        """A WEIGHT task: the parameter gradients of a split segment, a "W" span."""
+        self.weights_run += 1
+        self.recorder.begin("W", microbatch)
+        try:
+            weights.run()
+        finally:
+            self.recorder.end()
+
     def _run_backward(self, worker: _Worker) -> None:
         """A BACKWARD task: GRAD_OUT reached a served call, or GRAD_IN returned to a caller."""
         self.recorder.begin("B", worker.microbatch)
@@ -1130,8 +1162,16 @@ class PipelineRuntime:
             j = worker.next_interval
             if roots:
                 result = segments.run_segment(
-                    roots, grads, worker.starts[j], boundary_leaves=worker.boundary.values()
+                    roots,
+                    grads,
+                    worker.starts[j],
+                    boundary_leaves=worker.boundary.values(),
+                    split_weights=self.split_weights and worker.served is not None,
                 )
+                if result.weights is not None:
+                    task_id = self.server.new_id()
+                    self.weight_tasks[task_id] = result.weights
+                    self.policy.push(_C.TaskKind.WEIGHT, worker.microbatch, task_id)
                 for key, (edge, grad) in result.edge_grads.items():
                     pending = worker.pending[worker.interval_of(edge.node)]
                     pending[key] = (
@@ -1172,6 +1212,9 @@ class PipelineRuntime:
         if worker.served is None:
             self._maybe_finish_microbatch(worker.microbatch)
             return
+        # Its outputs hold its graph, which a weight half may have kept: only that half's
+        # nodes stay alive (no FETCH reads the outputs once the backward has begun).
+        worker.out_tensors, worker.result = [], None
         for producer, slot, leaf in worker.ref_leaves:  # shares of this rank's earlier calls
             grad = worker.leaf_grads.pop(id(leaf), None)
             if grad is not None:

@@ -21,18 +21,29 @@ One exception: when an interval uses an earlier value and another derived from i
 segment then runs those nodes with its own share (keeping their saved tensors), and their own
 interval runs them again with the rest; gradients add up because backward is linear in the
 incoming gradient.
+
+Zero-bubble split (``split_weights``, design.md §4g): a segment with no earlier intervals may
+compute its boundary leaves' gradients first and its parameters' later. The *input half* is
+the ``torch.autograd.grad`` call above without the parameters, so autograd skips every
+weight-gradient product; it keeps the graph and records, with a pre-hook, the gradient reaching
+each *intermediate*: a node on a path to a boundary leaf with an edge towards parameters
+only. The *weight half* (:class:`WeightGrads`) later runs one ``torch.autograd.grad`` per
+intermediate, from that node with the recorded gradient to its parameters. A parameter reached
+from several intermediates (a weight used twice), or from an output that does not depend on a
+boundary leaf, is computed in the input half as before: from one intermediate autograd only
+walks towards parameters, from two it would run the path between them again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["mark", "EdgeKey", "SegmentResult", "run_segment", "edge_of"]
+__all__ = ["mark", "EdgeKey", "SegmentResult", "WeightGrads", "run_segment", "edge_of"]
 
 EdgeKey = tuple[int, int]  # (id of the autograd node, output number)
 
@@ -63,10 +74,45 @@ class SegmentResult:
     Attributes:
         edge_grads: {edge key: (edge, gradient)} for edges into earlier intervals.
         leaf_grads: {id(boundary leaf): gradient} for the boundary leaves reached.
+        weights: the weight half still to run (``split_weights``), or None.
     """
 
     edge_grads: dict[EdgeKey, tuple[GradientEdge, torch.Tensor]]
     leaf_grads: dict[int, torch.Tensor]
+    weights: WeightGrads | None = None
+
+
+class WeightGrads:
+    """The weight half of a split segment: accumulates its parameters' gradients when run.
+
+    Holds the segment's graph (and so its saved tensors) until :meth:`run`, which frees them.
+    """
+
+    def __init__(self, groups: list[tuple[Any, dict[int, torch.Tensor]]]):
+        self._groups = groups  # (intermediate node, {id: parameter}); gradients set by the hooks
+        self._grads: dict[int, tuple] = {}
+
+    def _record(self, node) -> Callable[[tuple], None]:
+        def hook(grad_outputs: tuple) -> None:
+            self._grads[id(node)] = grad_outputs
+
+        return hook
+
+    def run(self) -> None:
+        groups, self._groups = self._groups, []
+        grads, self._grads = self._grads, {}
+        for node, params in groups:
+            given = grads.get(id(node))
+            if given is None:
+                continue  # no gradient reached it
+            roots = [(GradientEdge(node, i), g) for i, g in enumerate(given) if g is not None]
+            if not roots:
+                continue
+            targets = list(params.values())
+            results = torch.autograd.grad(
+                [e for e, _ in roots], targets, [g for _, g in roots], allow_unused=True
+            )
+            _accumulate(targets, results)
 
 
 def _walk(
@@ -141,11 +187,89 @@ def _on_paths(stops: list[GradientEdge], inputs: set[int]) -> dict[int, Any]:
     return {key: nodes[key] for key, value in reaches.items() if value}
 
 
+def _weight_groups(
+    edges: Sequence[GradientEdge], boundary_ids: set[int]
+) -> list[tuple[Any, dict[int, torch.Tensor]]]:
+    """The split of a segment without earlier intervals (module docstring): [(intermediate,
+    {id: parameter} computed from it)], each parameter in one group at most; parameters in no
+    group stay in the input half."""
+    # Post-order over the nodes (children first), without recursion.
+    order: list[Any] = []
+    seen: set[int] = set()
+    for edge in edges:
+        root = edge.node
+        if root is None or id(root) in seen or getattr(root, "variable", None) is not None:
+            continue
+        seen.add(id(root))
+        stack = [(root, iter(root.next_functions))]
+        while stack:
+            node, children = stack[-1]
+            for child, _ in children:
+                if child is None or id(child) in seen or hasattr(child, "variable"):
+                    continue
+                seen.add(id(child))
+                stack.append((child, iter(child.next_functions)))
+                break
+            else:
+                stack.pop()
+                order.append(node)
+    reaches: dict[int, bool] = {}  # leads to a boundary leaf
+    below: dict[int, dict[int, torch.Tensor]] = {}  # parameters behind its non-reaching edges
+    for node in order:
+        leads, params = False, {}
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)
+            if variable is not None:
+                if id(variable) in boundary_ids:
+                    leads = True
+                else:
+                    params[id(variable)] = variable
+            elif reaches[id(child)]:
+                leads = True
+            else:
+                params.update(below[id(child)])
+        reaches[id(node)], below[id(node)] = leads, params
+    uses: dict[int, int] = {}
+    for node in order:
+        if reaches[id(node)]:
+            for key in below[id(node)]:
+                uses[key] = uses.get(key, 0) + 1
+    for edge in edges:  # outputs that depend on parameters only: their parameters stay
+        node = edge.node
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            uses[id(variable)] = 2
+        elif node is not None and not reaches[id(node)]:
+            for key in below[id(node)]:
+                uses[key] = 2
+    groups = []
+    for node in order:
+        if reaches[id(node)]:
+            params = {k: p for k, p in below[id(node)].items() if uses[k] == 1}
+            if params:
+                groups.append((node, params))
+    return groups
+
+
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Adds each gradient into its parameter's ``.grad``, as autograd's accumulator would."""
+    for param, grad in zip(params, grads):
+        if grad is None:
+            continue
+        if param.grad is None:
+            param.grad = grad.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            param.grad.add_(grad)
+
+
 def run_segment(
     roots: Sequence[torch.Tensor | GradientEdge],
     grads: Sequence[torch.Tensor],
     start: int,
     boundary_leaves: Iterable[torch.Tensor] = (),
+    split_weights: bool = False,
 ) -> SegmentResult:
     """Backward of one interval (see the module docstring).
 
@@ -155,9 +279,13 @@ def run_segment(
         grads: one gradient per root.
         start: :func:`mark` taken when the interval started.
         boundary_leaves: fresh leaves standing for values from the other side of a boundary.
+        split_weights: when the segment reaches no earlier interval, leave the gradients of
+            the parameters that can wait to the returned :class:`WeightGrads` (module
+            docstring).
 
     Returns:
-        A :class:`SegmentResult`. Parameter gradients are accumulated into ``.grad``.
+        A :class:`SegmentResult`. Parameter gradients are accumulated into ``.grad`` (those of
+        ``result.weights`` when it runs).
     """
     # Roots that cannot carry a gradient (integer outputs, values that need none) are skipped.
     keep = [i for i, r in enumerate(roots) if isinstance(r, GradientEdge) or r.requires_grad]
@@ -172,23 +300,34 @@ def run_segment(
         if not more:
             break
         absorbed.update(more)
+    weights, handles = None, []
+    if split_weights and not stops and leaves and params:
+        groups = _weight_groups(edges, boundary_ids)
+        if groups:
+            later = {k for _, group in groups for k in group}
+            params = [p for p in params if id(p) not in later]
+            weights = WeightGrads(groups)
+            handles = [node.register_prehook(weights._record(node)) for node, _ in groups]
     inputs = [*stops, *leaves, *params]
     if not inputs:
         return SegmentResult({}, {})
-    # Absorbed earlier nodes run again in their own interval: keep what they saved.
-    results = torch.autograd.grad(
-        edges, inputs, grads, allow_unused=True, retain_graph=bool(absorbed)
-    )
+    try:
+        # Absorbed earlier nodes run again in their own interval, the weight half's nodes in
+        # it: keep what they saved.
+        results = torch.autograd.grad(
+            edges,
+            inputs,
+            grads,
+            allow_unused=True,
+            retain_graph=bool(absorbed) or weights is not None,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
     n_stops, n_leaves = len(stops), len(leaves)
-    for param, grad in zip(params, results[n_stops + n_leaves :]):
-        if grad is None:
-            continue
-        if param.grad is None:
-            param.grad = grad.detach().clone(memory_format=torch.contiguous_format)
-        else:
-            param.grad.add_(grad)
+    _accumulate(params, results[n_stops + n_leaves :])
     edge_grads = {_key(e): (e, g) for e, g in zip(stops, results[:n_stops]) if g is not None}
     leaf_grads = {
         id(t): g for t, g in zip(leaves, results[n_stops : n_stops + n_leaves]) if g is not None
     }
-    return SegmentResult(edge_grads, leaf_grads)
+    return SegmentResult(edge_grads, leaf_grads, weights)

@@ -52,7 +52,8 @@ class RemoteStageError : public std::runtime_error {
   explicit RemoteStageError(const std::string& message) : std::runtime_error(message) {}
 };
 
-/// A task the policy picked, with the message that made it runnable (none for a start).
+/// A task the policy picked, with the message that made it runnable (none for a start, or a
+/// task the runtime pushed itself: a backward slice, a weight half).
 struct ServerTask {
   Task task;
   std::optional<Message> message;
@@ -62,7 +63,7 @@ class PipelineServer {
  public:
   /// `transport` must outlive the server and be started; the server never starts or finishes it.
   PipelineServer(Transport* transport, PipelineKind kind, int num_microbatches,
-                 int active_microbatches, bool is_leader);
+                 int active_microbatches, bool is_leader, int deferred_weight_microbatches = 0);
 
   /// A fresh task / worker id.
   int64_t new_id() { return next_id_++; }

@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -251,26 +252,35 @@ TEST(ServerPolicyTest, DescribeListsLifecycleAndQueues) {
 // both agree with a brute-force oracle of the rules in the header.
 class Oracle {
  public:
-  Oracle(PipelineKind kind, int n, int active, bool leader)
-      : kind_(kind), n_(n), active_(active), leader_(leader), phase_(n, 0) {}
+  Oracle(PipelineKind kind, int n, int active, bool leader, int deferred = 0)
+      : kind_(kind), n_(n), active_(active), leader_(leader), deferred_(deferred), phase_(n, 0) {}
 
   void push(TaskKind kind, int m, int64_t id) { queued_.push_back({kind, m, id, seq_++}); }
 
   std::optional<Task> next() {
+    const bool interleaved = kind_ == PipelineKind::kInterleaved;
+    std::set<int> weight_microbatches;
+    for (const Task& t : queued_) {
+      if (t.kind == TaskKind::kWeight) weight_microbatches.insert(t.microbatch);
+    }
+    const bool overflow = static_cast<int>(weight_microbatches.size()) > deferred_;
     // Rank of a task's class under the policy (lower runs first); -1: may not run now.
+    // Interleaved: resume 0, backward 2, weight beyond the limit 3, request 4, start 6,
+    // weight 8. Simple: resume 0, request 2, start 4, backward 6, weight 8.
     auto klass = [&](const Task& t) {
-      const bool interleaved = kind_ == PipelineKind::kInterleaved;
       switch (t.kind) {
         case TaskKind::kBackward: {
-          if (interleaved) return 1;
+          if (interleaved) return 2;
           const bool all_done =
               std::count_if(phase_.begin(), phase_.end(), [](int p) { return p >= 2; }) == n_;
-          return (!leader_ || all_done) ? 3 : -1;
+          return (!leader_ || all_done) ? 6 : -1;
         }
         case TaskKind::kResume:
           return 0;
         case TaskKind::kServeRequest:
-          return interleaved ? 2 : 1;
+          return interleaved ? 4 : 2;
+        case TaskKind::kWeight:
+          return interleaved && overflow ? 3 : 8;
         default:
           return -1;
       }
@@ -290,7 +300,7 @@ class Oracle {
       };
       if (key(t) < key(b)) best = i;
     }
-    const int start_class = kind_ == PipelineKind::kInterleaved ? 3 : 2;
+    const int start_class = interleaved ? 6 : 4;
     const bool can_start = leader_ && started_ < n_ &&
                            (kind_ == PipelineKind::kSimple || started_ - finished_ < active_);
     if (can_start && (!best || klass(queued_[*best]) > start_class)) {
@@ -321,6 +331,7 @@ class Oracle {
   int n_;
   int active_;
   bool leader_;
+  int deferred_;
   std::vector<int> phase_;
   std::vector<Task> queued_;
   int64_t seq_ = 0;
@@ -336,9 +347,10 @@ TEST(ServerPolicyTest, RandomStreamsAreDeterministicAndMatchTheOracle) {
     const bool leader = (trial / 2) % 2 == 0;
     const int n = 1 + static_cast<int>(rng() % 6);
     const int active = 1 + static_cast<int>(rng() % n);
-    ServerPolicy a(kind, n, active, leader);
-    ServerPolicy b(kind, n, active, leader);
-    Oracle oracle(kind, n, active, leader);
+    const int deferred = static_cast<int>(rng() % 4);
+    ServerPolicy a(kind, n, active, leader, deferred);
+    ServerPolicy b(kind, n, active, leader, deferred);
+    Oracle oracle(kind, n, active, leader, deferred);
     int64_t next_id = 100;
     for (int step = 0; step < 80; ++step) {
       const int action = static_cast<int>(rng() % 6);
@@ -349,8 +361,8 @@ TEST(ServerPolicyTest, RandomStreamsAreDeterministicAndMatchTheOracle) {
         ASSERT_EQ(ta, oracle.next()) << a.describe();
         if (ta) ++handed_out[{kind, ta->kind}];
       } else if (action <= 3) {
-        // Push only what the leader's lifecycle allows.
-        TaskKind kind_pushed = static_cast<TaskKind>(1 + rng() % 3);
+        // Push only what the leader's lifecycle allows; weights only on other ranks.
+        TaskKind kind_pushed = static_cast<TaskKind>(1 + rng() % (leader ? 3 : 4));
         if (leader) {
           const int phase = oracle.phase(m);
           if (phase == 0 || phase == 3) continue;
@@ -382,7 +394,7 @@ TEST(ServerPolicyTest, RandomStreamsAreDeterministicAndMatchTheOracle) {
   for (const auto& [key, count] : handed_out) {
     EXPECT_GE(count, 50) << pipeline_kind_name(key.first) << " " << task_kind_name(key.second);
   }
-  EXPECT_EQ(handed_out.size(), 8u);
+  EXPECT_EQ(handed_out.size(), 10u);
 }
 
 // ---- errors
@@ -834,4 +846,46 @@ TEST(ServerPolicyTest, HeaderExample) {
 }
 
 }  // namespace
+// Weight halves of backward segments (design.md §4g) wait for idle time, up to a number of
+// microbatches; beyond it the oldest run before new forward work, never before a backward.
+TEST(ServerPolicyTest, WeightsFillIdleTimeAndRunFirstBeyondTheLimit) {
+  ServerPolicy other(kInterleaved, 4, 4, false, /*deferred_weight_microbatches=*/1);
+  EXPECT_EQ(other.deferred_weight_microbatches(), 1);
+  other.push(TaskKind::kWeight, 0, 1);
+  other.push(TaskKind::kWeight, 0, 2);
+  other.push(TaskKind::kServeRequest, 2, 3);
+  EXPECT_EQ(other.next()->id, 3);  // one microbatch's weights may wait: the request first
+  other.push(TaskKind::kBackward, 1, 4);
+  other.push(TaskKind::kWeight, 1, 5);  // weights of two microbatches: over the limit
+  other.push(TaskKind::kServeRequest, 3, 6);
+  EXPECT_EQ(other.describe(),
+            "ServerPolicy(interleaved, non-leader, microbatches=4, active=4, deferred weights=1); "
+            "queued 5: backward [backward(mb=1, id=4, seq=3)] resume [] request "
+            "[request(mb=3, id=6, seq=5)] weight [weight(mb=0, id=1, seq=0), weight(mb=0, id=2, "
+            "seq=1), weight(mb=1, id=5, seq=4)]");
+  EXPECT_EQ(other.next()->id, 4);  // a backward still comes first
+  EXPECT_EQ(other.next()->id, 1);  // then the oldest weights, before the request
+  EXPECT_EQ(other.next()->id, 2);
+  EXPECT_EQ(other.next()->id, 6);  // within the limit again: the request
+  EXPECT_FALSE(other.all_finished());
+  EXPECT_EQ(other.next()->id, 5);  // nothing else to run: the weight fills the time
+  EXPECT_FALSE(other.next());
+  EXPECT_TRUE(other.all_finished());
+
+  // Simple: weights after everything else (no limit).
+  ServerPolicy simple(kSimple, 2, 2, false);
+  simple.push(TaskKind::kWeight, 0, 1);
+  simple.push(TaskKind::kWeight, 1, 2);
+  simple.push(TaskKind::kBackward, 1, 3);
+  simple.push(TaskKind::kServeRequest, 1, 4);
+  for (int64_t id : {4, 3, 1, 2}) EXPECT_EQ(simple.next()->id, id);
+
+  ServerPolicy leader(kInterleaved, 2, 2, true, 2);
+  leader.next();
+  expect_error([&] { leader.push(TaskKind::kWeight, 0, 7); },
+               {"weight task (id 7)", "microbatch 0", "on the leader"});
+  expect_error([] { ServerPolicy(kInterleaved, 2, 2, false, -1); },
+               {"deferred_weight_microbatches", "got -1"});
+}
+
 }  // namespace smp

@@ -428,7 +428,8 @@ def _sliced_worker():
 
     import smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    # Slices on both stages: without the zero-bubble split, which replaces them on stage 1.
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "deferred_weight_microbatches": 0})
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, dropout=0.0)
     torch.manual_seed(0)
     reference = GPT(config)
@@ -467,3 +468,79 @@ def test_large_modules_slice_the_backward_and_stay_exact(pools):
     for sliced, blocks, slices in pools.run(2, _sliced_worker):
         assert blocks and set(blocks) <= set(sliced), (sliced, blocks)
         assert all(n > 0 for n in slices), slices
+
+
+class _WeightGate(torch.autograd.Function):
+    """Identity on a weight; its backward runs in the weight half of the owner's split (it is
+    on the path to the weight only) and fails while ``fail`` is set."""
+
+    fail = False
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _WeightGate.fail:
+            raise RuntimeError("weight gradient failed on purpose")
+        return grad
+
+
+class GatedBlock(Block):
+    def forward(self, h):
+        return torch.tanh(F.linear(h, _WeightGate.apply(self.fc.weight), self.fc.bias)) + h
+
+
+class SplitChain(nn.Module):
+    """``a`` and ``head`` on stage 0; on stage 1 two blocks, the first with a gated weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.b1, self.b2 = GatedBlock(), Block()
+        self.variant = 0
+
+    def forward(self, x):
+        return self.head(self.b2(self.b1(self.a(x))))
+
+
+def _split_worker(deferred: int):
+    import smp
+
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": 4,
+            "deferred_weight_microbatches": deferred,
+            "timeout_s": 60,
+        }
+    )
+
+    def place(module):
+        for name, stage in [("a", 0), ("head", 0), ("b1", 1), ("b2", 1)]:
+            smp.set_partition(getattr(module, name), stage)
+
+    def before_step(step, module):
+        _WeightGate.fail = step == 2
+
+    from smp.state import get_state
+
+    def after_step(step):
+        runtime = get_state().runtimes[-1]
+        return runtime.weights_run, runtime.slices_run
+
+    # Step 2 fails in a weight half on stage 1; the steps after it are exact again.
+    return _exact_steps(smp, SplitChain, place, [0, 0, None, 0], 13, 4, before_step, after_step)
+
+
+@pytest.mark.parametrize("deferred", [0, 1, 4])
+def test_weight_gradients_apart_are_exact_and_fail_cleanly(pools, deferred):
+    """Stage 1 computes its served calls' input gradients first and their weight gradients as
+    separate tasks (design.md §4g): one per served call and microbatch (2 blocks x 4), none on
+    the leader, none with the split off. Gradients match the reference however many
+    microbatches' weights may wait, and a weight task that fails fails the step everywhere."""
+    for rank, result in enumerate(pools.run(2, _split_worker, deferred)):
+        expected = 8 if rank == 1 and deferred else 0
+        assert [r[0] for i, r in enumerate(result) if i != 2] == [expected] * 3, result
+        assert "weight gradient failed on purpose" in result[2], result[2]

@@ -59,7 +59,10 @@ def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, sched
     for rank, program in r["program"].items():
         for mb in range(4):
             assert f"{rank}F{mb}" in program and f"{rank}B{mb}" in program, (rank, program)
-        assert all(a[1] in "FB" and int(a[0]) == rank for a in program), program
+        assert all(a[1] in "FBW" and int(a[0]) == rank for a in program), program
+        # Stage 1 serves its calls with their weight gradients apart (design.md §4g); the
+        # leader never splits.
+        assert all((f"{rank}W{mb}" in program) == (rank == 1) for mb in range(4)), program
         # No two pieces of one rank overlap, and each backward follows its forward.
         spans = r["spans"][rank]
         assert all(s <= e for s, e in spans)
@@ -70,8 +73,9 @@ def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, sched
     _check_causality(r["pieces_by_action"], microbatches=4)
     # The projection onto the IR (validated in the workers) holds each action once per stage.
     for stage, program in enumerate(r["schedule"]):
-        assert sorted(program) == sorted(f"{stage}{k}{mb}" for k in "FB" for mb in range(4))
-        assert program.index(f"{stage}F0") < program.index(f"{stage}B0")
+        kinds = "FB" if stage == 0 else "FIW"
+        assert sorted(program) == sorted(f"{stage}{k}{mb}" for k in kinds for mb in range(4))
+        assert program.index(f"{stage}F0") < program.index(f"{stage}{kinds[1]}0")
     assert r["csv"].splitlines()[0].startswith("0F0,")
 
 
@@ -102,7 +106,8 @@ def _check_causality(ranks: dict, microbatches: int, skew: float = 1e-3) -> None
     starts a microbatch only after the leader (which runs the root's forward) has started it;
     another stage's backward of a microbatch starts after all its forward pieces of it ended (on
     the leader, the step function goes on after ``model.backward``); and the leader's backward
-    of a microbatch ends last, after every other stage's (GRAD_IN)."""
+    of a microbatch ends last, after every other stage's (GRAD_IN). A weight half ("W") starts
+    after its microbatch's first backward piece on that rank has ended."""
 
     def pieces(rank, kind, mb):
         return [(s, e) for a, s, e in ranks[rank] if a == f"{rank}{kind}{mb}"]
@@ -116,3 +121,5 @@ def _check_causality(ranks: dict, microbatches: int, skew: float = 1e-3) -> None
             if rank != 0:
                 assert max(e for _, e in forward) <= backward[0][0] + skew, (rank, mb, ranks)
             assert max(e for _, e in backward) <= leader_backward[-1][1] + skew, (rank, mb, ranks)
+            for start, _ in pieces(rank, "W", mb):
+                assert start >= backward[0][1] - 1e-6, (rank, mb, ranks)

@@ -24,6 +24,7 @@ ALL_KEYS = {
     "pipeline",
     "pipeline_async_calls",
     "active_microbatches",
+    "deferred_weight_microbatches",
     "optimize",
     "memory_weight",
     "auto_partition",
@@ -80,6 +81,7 @@ def test_defaults(user):
         "pipeline": "interleaved",
         "pipeline_async_calls": True,
         "active_microbatches": 1,
+        "deferred_weight_microbatches": 1,
         "optimize": "speed",
         "memory_weight": 0.2,
         "auto_partition": True,
@@ -122,6 +124,23 @@ def test_to_dict_is_plain_copy():
 def test_active_microbatches_default(pp, mb, expected):
     c = build_config({"pipeline_parallel_degree": pp, "microbatches": mb})
     assert c.active_microbatches == expected
+
+
+@pytest.mark.parametrize(("pp", "mb", "expected"), [(1, 1, 1), (2, 8, 2), (4, 3, 3)])
+def test_deferred_weight_microbatches_default(pp, mb, expected):
+    c = build_config({"pipeline_parallel_degree": pp, "microbatches": mb})
+    assert c.deferred_weight_microbatches == expected
+
+
+def test_deferred_weight_microbatches_explicit_and_invalid():
+    c = build_config({"microbatches": 4, "deferred_weight_microbatches": 0})
+    assert c.deferred_weight_microbatches == 0
+    for bad in (-1, 5, 1.5, True, "2"):
+        expect_error(
+            {"microbatches": 4, "deferred_weight_microbatches": bad},
+            "deferred_weight_microbatches",
+            "[0, microbatches=4]",
+        )
 
 
 def test_active_microbatches_explicit():

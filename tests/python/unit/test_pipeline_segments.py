@@ -186,3 +186,73 @@ def test_a_later_interval_using_a_leaf_that_an_earlier_value_came_from():
     torch.testing.assert_close(leaf_grad, expected_src)
     for n, p in lin.named_parameters():
         torch.testing.assert_close(p.grad, expected[n])
+
+
+class _Block(nn.Module):
+    """A transformer-like block with the awkward cases of the weight split: a weight used twice
+    (``tied``), and an output that depends on parameters only."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        torch.manual_seed(3)
+        self.ln = nn.LayerNorm(c)
+        self.attn = nn.MultiheadAttention(c, 2, batch_first=True)
+        self.fc, self.proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.tied = nn.Linear(c, c)
+        self.scale = nn.Parameter(torch.ones(c))
+
+    def forward(self, x):
+        h = self.ln(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        x = x + self.proj(torch.nn.functional.gelu(self.fc(x)))
+        return self.tied(self.tied(x)), self.scale * 3
+
+
+def _split_run(split: bool):
+    block = _Block()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    start = mark()
+    out, side = block(x)
+    grads = [torch.ones_like(out), torch.full_like(side, 0.5)]
+    result = run_segment([out, side], grads, start, boundary_leaves=[x], split_weights=split)
+    eager = {n for n, p in block.named_parameters() if p.grad is not None}
+    if result.weights is not None:
+        result.weights.run()
+    return result, eager, {n: p.grad for n, p in block.named_parameters()}
+
+
+def test_weight_split_gives_the_same_gradients_bit_for_bit():
+    """The input half computes the boundary leaf's gradient and the parameters that cannot
+    wait; the weight half the rest, with the same products, so nothing differs in any bit."""
+    plain, plain_eager, expected = _split_run(split=False)
+    split, eager, got = _split_run(split=True)
+    assert plain.weights is None and split.weights is not None
+    (x_grad,) = plain.leaf_grads.values()
+    assert torch.equal(next(iter(split.leaf_grads.values())), x_grad)
+    assert set(got) == set(expected) == plain_eager
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    # Waited: everything reached only through one node on the path to x. Not: the weight used
+    # twice, and the parameter behind the output that does not depend on x.
+    assert eager == {"tied.weight", "tied.bias", "scale"}
+
+
+def test_weight_split_needs_a_boundary_leaf_and_no_earlier_interval():
+    block = _Block()
+    x = torch.randn(2, 5, 16)  # needs no gradient: nothing is on a path to a boundary leaf
+    start = mark()
+    out, _ = block(x)
+    result = run_segment([out], [torch.ones_like(out)], start, split_weights=True)
+    assert result.weights is None and block.fc.weight.grad is not None
+
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    start = mark()
+    h = block.fc(x)
+    later = mark()  # a second interval: its backward stops at the first one's edge
+    reply = _boundary(h)
+    out = block.proj(torch.relu(reply + h))
+    result = run_segment(
+        [out], [torch.ones_like(out)], later, boundary_leaves=[reply], split_weights=True
+    )
+    assert result.weights is None and result.edge_grads and result.leaf_grads
+    assert block.proj.weight.grad is not None
