@@ -256,3 +256,27 @@ def test_weight_split_needs_a_boundary_leaf_and_no_earlier_interval():
     )
     assert result.weights is None and result.edge_grads and result.leaf_grads
     assert block.proj.weight.grad is not None
+
+
+def test_weight_split_of_a_checkpointed_module():
+    """A non-reentrant checkpoint recomputes its forward when the input half unpacks what it
+    saved; the weight half unpacks again, and the gradients still match."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(split: bool):
+        torch.manual_seed(0)
+        fc, proj = nn.Linear(8, 16), nn.Linear(16, 8)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        start = mark()
+        y = checkpoint(lambda v: proj(torch.tanh(fc(v))), x, use_reentrant=False)
+        result = run_segment([y], [torch.ones_like(y)], start, [x], split_weights=split)
+        assert (result.weights is not None) == split
+        if split:
+            result.weights.run()
+        return [
+            *result.leaf_grads.values(),
+            *(p.grad for p in (*fc.parameters(), *proj.parameters())),
+        ]
+
+    for got, expected in zip(run(True), run(False)):
+        assert torch.equal(got, expected)
