@@ -654,7 +654,8 @@ class PipelineRuntime:
         self.reply_tasks: dict[int, _Call] = {}  # task id -> call awaiting its REPLY
         self.continuations: dict[int, _Worker] = {}  # task id -> worker at a backward slice
         self.slices_run = 0  # backward slices run as their own task this step
-        self.weight_tasks: dict[int, segments.WeightGrads] = {}  # task id -> weight half
+        # task id -> (module path, weight half of its served call's backward)
+        self.weight_tasks: dict[int, tuple[str | None, segments.WeightGrads]] = {}
         self.weights_run = 0  # weight halves run as their own task this step
         self.served_calls: dict[tuple[int, int], _Worker] = {}  # (caller stage, call id)
         self.early_fetches: dict[tuple[int, int], list] = {}  # (caller stage, call id) -> FETCHes
@@ -748,7 +749,7 @@ class PipelineRuntime:
             elif kind == _C.TaskKind.RESUME:
                 self._reply_arrived(self.reply_tasks.pop(task.id), message)
             elif kind == _C.TaskKind.WEIGHT:
-                self._run_weights(task.microbatch, self.weight_tasks.pop(task.id))
+                self._run_weights(task.microbatch, *self.weight_tasks.pop(task.id))
             elif message is None:  # the next backward slice of a worker
                 worker = self.continuations.pop(task.id)
                 self.slices_run += 1
@@ -1094,15 +1095,21 @@ class PipelineRuntime:
         self.recorder.begin("B", worker.microbatch)
         try:
             self._continue_backward(worker, roots, grads)
+        except BaseException:
+            self._failed_in(worker.microbatch, worker.module_path)
+            raise
         finally:
             self.recorder.end()
 
-    def _run_weights(self, microbatch: int, weights: segments.WeightGrads) -> None:
+    def _run_weights(self, microbatch: int, module: str | None, weights) -> None:
         """A WEIGHT task: the parameter gradients of a split segment, a "W" span."""
         self.weights_run += 1
         self.recorder.begin("W", microbatch)
         try:
             weights.run()
+        except BaseException:
+            self._failed_in(microbatch, module)
+            raise
         finally:
             self.recorder.end()
 
@@ -1111,8 +1118,16 @@ class PipelineRuntime:
         self.recorder.begin("B", worker.microbatch)
         try:
             self._run_backward_task(worker)
+        except BaseException:
+            self._failed_in(worker.microbatch, worker.module_path)
+            raise
         finally:
             self.recorder.end()
+
+    def _failed_in(self, microbatch: int, module: str | None) -> None:
+        """Names where a backward task failed, for the error every stage raises."""
+        if self.failed_microbatch is None:
+            self.failed_microbatch, self.failed_module = microbatch, module
 
     def _maybe_served_backward(self, worker: _Worker) -> None:
         """Starts a served call's backward once its forward is done and every gradient of its
@@ -1170,7 +1185,7 @@ class PipelineRuntime:
                 )
                 if result.weights is not None:
                     task_id = self.server.new_id()
-                    self.weight_tasks[task_id] = result.weights
+                    self.weight_tasks[task_id] = (worker.module_path, result.weights)
                     self.policy.push(_C.TaskKind.WEIGHT, worker.microbatch, task_id)
                 for key, (edge, grad) in result.edge_grads.items():
                     pending = worker.pending[worker.interval_of(edge.node)]
