@@ -415,10 +415,10 @@ class PipelineRuntime:
         # Zero-bubble split (design.md §4g): stages other than the leader's compute a served
         # call's input gradients first and its weight gradients when idle. Not with TP (its
         # ranks must run the same tasks, and weight tasks fill idle time).
-        self.deferred_weights = int(getattr(state.config, "deferred_weight_microbatches", 0) or 0)
-        self.split_weights = (
-            self.stage != 0 and self.deferred_weights > 0 and self.order_group is None
-        )
+        splits = self.stage != 0 and self.order_group is None
+        deferred = int(getattr(state.config, "deferred_weight_microbatches", 0) or 0)
+        self.deferred_weights = deferred if splits else 0  # the policy's limit on this rank
+        self.split_weights = self.deferred_weights > 0
         # Not with TP either: its ranks must run the same tasks, slices included. Not where
         # served calls are split: a served call's backward is then one segment, so all of its
         # weight gradients can wait.
@@ -645,7 +645,7 @@ class PipelineRuntime:
             cfg.microbatches,
             cfg.active_microbatches,
             leader,
-            self.deferred_weights if self.split_weights else 0,
+            self.deferred_weights,
         )
         self.policy = self.server.policy
         self.results: list[Any] = [None] * cfg.microbatches
@@ -1090,44 +1090,35 @@ class PipelineRuntime:
         worker.next_interval = len(worker.starts) - 1
         self._recorded_backward(worker, roots, grads)
 
-    def _recorded_backward(self, worker: _Worker, roots, grads) -> None:
-        """``_continue_backward`` as a recorded "B" span of the timeline."""
-        self.recorder.begin("B", worker.microbatch)
+    @contextlib.contextmanager
+    def _backward_span(self, kind: str, microbatch: int, module: str | None):
+        """A backward-type task as a recorded span ("B" or "W") of the timeline; if it fails,
+        the error every stage raises names its microbatch and module."""
+        self.recorder.begin(kind, microbatch)
         try:
-            self._continue_backward(worker, roots, grads)
+            yield
         except BaseException:
-            self._failed_in(worker.microbatch, worker.module_path)
+            if self.failed_microbatch is None:
+                self.failed_microbatch, self.failed_module = microbatch, module
             raise
         finally:
             self.recorder.end()
+
+    def _recorded_backward(self, worker: _Worker, roots, grads) -> None:
+        """``_continue_backward`` as a recorded "B" span of the timeline."""
+        with self._backward_span("B", worker.microbatch, worker.module_path):
+            self._continue_backward(worker, roots, grads)
 
     def _run_weights(self, microbatch: int, module: str | None, weights) -> None:
         """A WEIGHT task: the parameter gradients of a split segment, a "W" span."""
         self.weights_run += 1
-        self.recorder.begin("W", microbatch)
-        try:
+        with self._backward_span("W", microbatch, module):
             weights.run()
-        except BaseException:
-            self._failed_in(microbatch, module)
-            raise
-        finally:
-            self.recorder.end()
 
     def _run_backward(self, worker: _Worker) -> None:
         """A BACKWARD task: GRAD_OUT reached a served call, or GRAD_IN returned to a caller."""
-        self.recorder.begin("B", worker.microbatch)
-        try:
+        with self._backward_span("B", worker.microbatch, worker.module_path):
             self._run_backward_task(worker)
-        except BaseException:
-            self._failed_in(worker.microbatch, worker.module_path)
-            raise
-        finally:
-            self.recorder.end()
-
-    def _failed_in(self, microbatch: int, module: str | None) -> None:
-        """Names where a backward task failed, for the error every stage raises."""
-        if self.failed_microbatch is None:
-            self.failed_microbatch, self.failed_module = microbatch, module
 
     def _maybe_served_backward(self, worker: _Worker) -> None:
         """Starts a served call's backward once its forward is done and every gradient of its
@@ -1155,10 +1146,8 @@ class PipelineRuntime:
             if variable is not None:  # a leaf: a boundary value passed on, or a parameter
                 if id(variable) in worker.boundary:
                     _add(worker.leaf_grads, id(variable), grad)
-                elif variable.grad is None:
-                    variable.grad = grad.clone()
                 else:
-                    variable.grad.add_(grad)
+                    segments.accumulate([variable], [grad])
             else:
                 pending = worker.pending[worker.interval_of(edge.node)]
                 key = (id(edge.node), edge.output_nr)

@@ -43,7 +43,15 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["mark", "EdgeKey", "SegmentResult", "WeightGrads", "run_segment", "edge_of"]
+__all__ = [
+    "mark",
+    "EdgeKey",
+    "SegmentResult",
+    "WeightGrads",
+    "run_segment",
+    "edge_of",
+    "accumulate",
+]
 
 EdgeKey = tuple[int, int]  # (id of the autograd node, output number)
 
@@ -112,7 +120,7 @@ class WeightGrads:
             results = torch.autograd.grad(
                 [e for e, _ in roots], targets, [g for _, g in roots], allow_unused=True
             )
-            _accumulate(targets, results)
+            accumulate(targets, results)
 
 
 def _walk(
@@ -253,7 +261,7 @@ def _weight_groups(
     return groups
 
 
-def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+def accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     """Adds each gradient into its parameter's ``.grad``, as autograd's accumulator would."""
     for param, grad in zip(params, grads):
         if grad is None:
@@ -325,7 +333,7 @@ def run_segment(
         for handle in handles:
             handle.remove()
     n_stops, n_leaves = len(stops), len(leaves)
-    _accumulate(params, results[n_stops + n_leaves :])
+    accumulate(params, results[n_stops + n_leaves :])
     edge_grads = {_key(e): (e, g) for e, g in zip(stops, results[:n_stops]) if g is not None}
     leaf_grads = {
         id(t): g for t, g in zip(leaves, results[n_stops : n_stops + n_leaves]) if g is not None
