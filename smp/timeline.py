@@ -63,6 +63,18 @@ class Timeline:
             out[rank] = merged
         return out
 
+    def _by_stage(self) -> dict[int, list[TimedAction]]:
+        """Stage -> the actions of its lowest rank (data- and tensor-parallel replicas run the
+        same microbatches)."""
+        from smp import _C
+
+        by_stage: dict[int, list[TimedAction]] = {}
+        for rank in sorted(self.ranks):
+            if self.ranks[rank]:
+                stage = _C.schedule.parse_action(self.ranks[rank][0].action).stage
+                by_stage.setdefault(stage, self.ranks[rank])
+        return by_stage
+
     def to_schedule(self) -> list[list[Any]]:
         """The step as a compute-only schedule in the IR: one program per pipeline stage (from
         the lowest rank of each stage; data- and tensor-parallel replicas run the same
@@ -80,10 +92,7 @@ class Timeline:
         from smp import _C
 
         parse = _C.schedule.parse_action
-        by_stage: dict[int, list[TimedAction]] = {}
-        for rank in sorted(self.ranks):
-            if self.ranks[rank]:
-                by_stage.setdefault(parse(self.ranks[rank][0].action).stage, self.ranks[rank])
+        by_stage = self._by_stage()
         programs = []
         for stage in sorted(by_stage):
             at: dict[str, float] = {}
@@ -104,6 +113,38 @@ class Timeline:
             actions.sort(key=lambda a: (at[str(a)], order[a.type]))
             programs.append(actions)
         return programs
+
+    def stage_costs(self) -> list[Any]:
+        """What each stage's work cost per microbatch in this step, as one
+        ``smp._C.schedule.ActionCosts`` per stage (seconds; from the lowest rank of each stage),
+        for ``smp._C.schedule.simulate(schedule, costs)``: how long another order of the same
+        pieces, say a static 1F1B or ZB-H1 program, would take (communication free).
+
+        Each type's pieces are summed over the step and divided by the number of microbatches.
+        Where weight gradients ran apart (§4g), ``backward_input`` is the backward pieces,
+        ``backward_weight`` the weight pieces and ``full_backward`` their sum; elsewhere
+        ``full_backward`` and ``backward_input`` are the backward pieces and
+        ``backward_weight`` is 0.
+        """
+        from smp import _C
+
+        parse = _C.schedule.parse_action
+        by_stage = self._by_stage()
+        costs = []
+        for stage in sorted(by_stage):
+            total = {"F": 0.0, "B": 0.0, "W": 0.0}
+            microbatches = set()
+            for a in by_stage[stage]:
+                action = parse(a.action)
+                total[action.type] += a.end - a.start
+                microbatches.add(action.microbatch)
+            f, b, w = (total[k] / len(microbatches) for k in "FBW")
+            costs.append(
+                _C.schedule.ActionCosts(
+                    forward=f, full_backward=b + w, backward_input=b, backward_weight=w
+                )
+            )
+        return costs
 
     def busy_fraction(self, rank: int) -> float:
         """Time ``rank`` spent in recorded work over the step's span."""

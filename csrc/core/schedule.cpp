@@ -123,9 +123,10 @@ class Executor {
   // `lowered`: compute actions get their cross-rank inputs through RECVs (already ordered on
   // their rank), so only RECVs wait on other ranks; otherwise compute actions wait directly for
   // their cross-rank dependencies.
-  Executor(const Schedule& schedule, const Index& index, bool lowered, const ActionCosts& costs,
-           bool rendezvous)
-      : costs_(costs), rendezvous_(rendezvous), ids_(schedule.size()) {
+  // `costs`: one entry for every stage, or stage s's costs at index s.
+  Executor(const Schedule& schedule, const Index& index, bool lowered,
+           std::vector<ActionCosts> costs, bool rendezvous)
+      : costs_(std::move(costs)), rendezvous_(rendezvous), ids_(schedule.size()) {
     std::map<Action, int> id_of;
     for (int rank = 0; rank < static_cast<int>(schedule.size()); ++rank) {
       for (int step = 0; step < static_cast<int>(schedule[rank].size()); ++step) {
@@ -252,6 +253,7 @@ class Executor {
     const double ready = clock_[node.rank];
     double start = ready;
     double end = 0;
+    const ActionCosts& costs = costs_.size() == 1 ? costs_[0] : costs_.at(node.action.stage);
     if (is_communication(node.action.type)) {
       SMP_INTERNAL_ASSERT(node.partner >= 0, "unmatched ", to_string(node.action));
       const Node& peer = nodes_[node.partner];
@@ -263,17 +265,17 @@ class Executor {
           if (peer_pc == peer_ids.size() || peer_ids[peer_pc] != node.partner) return false;
           start = std::max(ready, clock_[peer.rank]);
         }
-        end = start + costs_.send;
+        end = start + costs.send;
       } else {
         if (!done_[node.partner]) return false;
-        end = std::max(start, end_[node.partner] + costs_.latency) + costs_.recv;
+        end = std::max(start, end_[node.partner] + costs.latency) + costs.recv;
       }
     } else {
       for (int d : node.deps) {
         if (!done_[d]) return false;
-        start = std::max(start, end_[d] + costs_.latency);
+        start = std::max(start, end_[d] + costs.latency);
       }
-      end = start + costs_.of(node.action.type);
+      end = start + costs.of(node.action.type);
     }
     start_[id] = start;
     end_[id] = end;
@@ -282,7 +284,7 @@ class Executor {
     return true;
   }
 
-  ActionCosts costs_;
+  std::vector<ActionCosts> costs_;
   bool rendezvous_;
   std::vector<Node> nodes_;
   std::vector<std::vector<int>> ids_;
@@ -340,7 +342,7 @@ class Checker {
     check_complete();
     check_program_order();
     if (check_deadlock) {
-      Executor executor(schedule_, index_, lowered_, unit_costs(), /*rendezvous=*/true);
+      Executor executor(schedule_, index_, lowered_, {unit_costs()}, /*rendezvous=*/true);
       if (!executor.run()) fail_deadlock(schedule_, executor, /*rendezvous=*/lowered_);
     }
   }
@@ -573,7 +575,7 @@ Schedule lay_out(const std::vector<std::vector<Action>>& orders) {
     compact[rank].assign(orders[rank].begin(), orders[rank].end());
   }
   const Index index(compact);
-  Executor executor(compact, index, /*lowered=*/false, unit_costs(), /*rendezvous=*/false);
+  Executor executor(compact, index, /*lowered=*/false, {unit_costs()}, /*rendezvous=*/false);
   SMP_INTERNAL_ASSERT(executor.run(), "generated schedule deadlocks");
   Schedule grid(orders.size());
   for (std::size_t rank = 0; rank < orders.size(); ++rank) {
@@ -833,7 +835,7 @@ Schedule add_communication(const Schedule& schedule, const std::vector<int>& sta
 
   // End time of every compute action under `costs`: the keys of Note [Send/recv order].
   const Index index(schedule);
-  Executor executor(schedule, index, /*lowered=*/false, costs, /*rendezvous=*/false);
+  Executor executor(schedule, index, /*lowered=*/false, {costs}, /*rendezvous=*/false);
   SMP_INTERNAL_ASSERT(executor.run(), "a valid compute-only schedule deadlocked");
 
   using Key = std::pair<double, int>;  // (end time, rank) of the producer
@@ -1045,8 +1047,12 @@ double ActionCosts::of(ActionType type) const {
   SMP_INTERNAL_ASSERT(false, "unknown ActionType ", static_cast<int>(type));
 }
 
-Timeline simulate(const Schedule& schedule, const ActionCosts& costs, bool rendezvous) {
-  check_costs("simulate", costs);
+namespace {
+
+// simulate() with `costs` holding one entry for every stage (`per_stage` false) or one per stage.
+Timeline simulate_with(const Schedule& schedule, const std::vector<ActionCosts>& costs,
+                       bool per_stage, bool rendezvous) {
+  for (const ActionCosts& c : costs) check_costs("simulate", c);
   const int num_ranks = static_cast<int>(schedule.size());
   Timeline timeline;
   timeline.peak_in_flight.assign(num_ranks, 0);
@@ -1079,6 +1085,9 @@ Timeline simulate(const Schedule& schedule, const ActionCosts& costs, bool rende
               num_stages - 1, " has");
     stage_to_rank[s] = it->second.rank;
   }
+  SMP_CHECK(!per_stage || static_cast<int>(costs.size()) == num_stages, "simulate: ", costs.size(),
+            " per-stage costs for a schedule of ", num_stages,
+            " stages; give one ActionCosts per stage, or one for all");
   Checker checker(schedule, num_stages, num_microbatches, stage_to_rank);
   checker.check(/*check_deadlock=*/false);
 
@@ -1106,6 +1115,17 @@ Timeline simulate(const Schedule& schedule, const ActionCosts& costs, bool rende
     timeline.bubble_fraction = 1 - compute_time / (num_ranks * timeline.makespan);
   }
   return timeline;
+}
+
+}  // namespace
+
+Timeline simulate(const Schedule& schedule, const ActionCosts& costs, bool rendezvous) {
+  return simulate_with(schedule, {costs}, /*per_stage=*/false, rendezvous);
+}
+
+Timeline simulate(const Schedule& schedule, const std::vector<ActionCosts>& stage_costs,
+                  bool rendezvous) {
+  return simulate_with(schedule, stage_costs, /*per_stage=*/true, rendezvous);
 }
 
 }  // namespace smp::schedule

@@ -176,8 +176,10 @@ Raises:
         "The schedule in torch.distributed.pipelining's _dump_csv format (rows end in \\r\\n).");
   m.def("from_csv", &sch::from_csv, py::arg("text"),
         "Reads to_csv() / torch's _dump_csv output; raises ValueError naming the row and cell.");
-  m.def("simulate", &sch::simulate, py::arg("schedule"), py::arg("costs") = sch::ActionCosts{},
-        py::arg("rendezvous") = false, no_gil,
+  m.def("simulate",
+        py::overload_cast<const sch::Schedule&, const sch::ActionCosts&, bool>(&sch::simulate),
+        py::arg("schedule"), py::arg("costs") = sch::ActionCosts{}, py::arg("rendezvous") = false,
+        no_gil,
         R"doc(Event-driven simulation of a compute-only or lowered schedule.
 
 Each rank runs its program in order; an action waits for its rank and its dependencies (a RECV
@@ -190,6 +192,15 @@ Returns:
 Raises:
     ValueError: a cost is negative, the schedule is malformed, or it deadlocks (the message
         holds the grid with the blocked steps marked).
+)doc");
+  m.def("simulate",
+        py::overload_cast<const sch::Schedule&, const std::vector<sch::ActionCosts>&, bool>(
+            &sch::simulate),
+        py::arg("schedule"), py::arg("costs"), py::arg("rendezvous") = false, no_gil,
+        R"doc(simulate() with costs per stage: a list with stage s's ActionCosts at index s.
+
+Raises:
+    ValueError: the list does not hold exactly one ActionCosts per stage, or as simulate().
 )doc");
 }
 

@@ -274,4 +274,11 @@ struct Timeline {
 /// each blocked rank's step marked and what it waits for).
 Timeline simulate(const Schedule& schedule, const ActionCosts& costs = {}, bool rendezvous = false);
 
+/// simulate() with costs per stage: stage s's actions (its compute, and the SENDs and RECVs on
+/// its side) take stage_costs[s], for stages whose work differs, such as costs measured per
+/// stage from a run. Throws smp::Error when stage_costs does not hold exactly one entry per stage
+/// of the schedule, and as simulate().
+Timeline simulate(const Schedule& schedule, const std::vector<ActionCosts>& stage_costs,
+                  bool rendezvous = false);
+
 }  // namespace smp::schedule

@@ -607,6 +607,40 @@ TEST(ScheduleSimulate, RendezvousSendWaitsForTheReceiver) {
   EXPECT_EQ(rendezvous.makespan, buffered.makespan);
 }
 
+TEST(ScheduleSimulate, CostsPerStage) {
+  // The same costs for every stage simulate like the single-costs form.
+  for (const Schedule& compute : {one_f_one_b(4, 8), zero_bubble_h1(3, 6), gpipe(2, 3)}) {
+    const int stages = static_cast<int>(compute.size());
+    const Timeline one = simulate(compute, kDefault);
+    const Timeline each = simulate(compute, std::vector<ActionCosts>(stages, kDefault));
+    EXPECT_EQ(each.makespan, one.makespan);
+    EXPECT_EQ(each.bubble_fraction, one.bubble_fraction);
+    EXPECT_EQ(each.peak_in_flight, one.peak_in_flight);
+  }
+  // A slower last stage runs back to back once its first input is there:
+  // makespan = F0 + m (F1 + B1) + B0 for 1F1B on two stages.
+  ActionCosts first;  // F = 1, B = 2
+  ActionCosts last;
+  last.forward = 2;
+  last.full_backward = 4;
+  for (int m = 1; m <= 8; ++m) {
+    SCOPED_TRACE(m);
+    EXPECT_EQ(simulate(one_f_one_b(2, m), {first, last}).makespan, 1 + m * 6 + 2);
+    // Lowered, with each side's send and receive costs.
+    ActionCosts first_comm = first;
+    first_comm.send = 0.5;
+    EXPECT_EQ(simulate(add_communication(one_f_one_b(2, m), {0, 1}), {first_comm, last}).makespan,
+              1 + 0.5 + m * 6 + 2);
+  }
+  EXPECT_NE(error_of([] {
+              simulate(one_f_one_b(3, 4), std::vector<ActionCosts>(2));
+            }).find("2 per-stage costs for a schedule of 3 stages"),
+            std::string::npos);
+  ActionCosts negative;
+  negative.forward = -1;
+  EXPECT_THROW(simulate(one_f_one_b(2, 4), {kDefault, negative}), Error);
+}
+
 TEST(ScheduleSimulate, EdgeCasesAndErrors) {
   EXPECT_EQ(simulate({}).makespan, 0);
   const Timeline idle = simulate({{}, {std::nullopt}});

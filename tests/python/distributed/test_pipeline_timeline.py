@@ -48,6 +48,11 @@ def _timeline_worker(tmp: str, schedule: str) -> dict:
         "events": len([e for e in trace["traceEvents"] if e["ph"] == "X"]),
         "pieces": sum(len(a) for a in timeline.ranks.values()),
         "summary": timeline.summary(),
+        "costs": [
+            (c.forward, c.full_backward, c.backward_input, c.backward_weight)
+            for c in timeline.stage_costs()
+        ],
+        "replayed": _C.schedule.simulate(schedule, timeline.stage_costs()).makespan,
     }
 
 
@@ -77,6 +82,43 @@ def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, sched
         assert sorted(program) == sorted(f"{stage}{k}{mb}" for k in kinds for mb in range(4))
         assert program.index(f"{stage}F0") < program.index(f"{stage}{kinds[1]}0")
     assert r["csv"].splitlines()[0].startswith("0F0,")
+    # Per-stage costs: each type's pieces over the step, per microbatch.
+    for stage, (f, b, i, w) in enumerate(r["costs"]):
+        pieces = r["pieces_by_action"][stage]
+        total = {k: sum(e - s for a, s, e in pieces if a[1] == k) / 4 for k in "FBW"}
+        assert (f, i, w) == pytest.approx((total["F"], total["B"], total["W"]))
+        assert b == pytest.approx(i + w) and f > 0 and i > 0
+        assert (w > 0) == (stage == 1)
+    assert r["replayed"] > 0
+
+
+def test_stage_costs_turn_a_step_into_what_other_schedules_would_take():
+    from smp import _C
+    from smp.timeline import TimedAction, Timeline
+
+    def acts(spec):
+        return [TimedAction(n, float(s), float(e)) for n, s, e in map(str.split, spec.split(","))]
+
+    # Stage 0: forwards of 1 s (one in two pieces), backwards of 2 s; stage 1: forwards of 2 s,
+    # input halves of 3 s and weight halves of 1 s.
+    timeline = Timeline(
+        {
+            0: acts("0F0 0 0.5, 0F0 0.7 1.2, 0F1 1.2 2.2, 0B0 8 10, 0B1 14 16"),
+            1: acts(
+                "1F0 1.2 3.2, 1B0 3.2 6.2, 1F1 6.2 8.2, 1W0 8.2 9.2, 1B1 9.2 12.2, 1W1 12.2 13.2"
+            ),
+            2: acts("1F0 1.2 9.0"),  # a replica of stage 1: not counted
+        }
+    )
+    first, last = timeline.stage_costs()
+    fields = ("forward", "full_backward", "backward_input", "backward_weight")
+    assert tuple(getattr(first, f) for f in fields) == pytest.approx((1.0, 2.0, 2.0, 0.0))
+    assert tuple(getattr(last, f) for f in fields) == pytest.approx((2.0, 4.0, 3.0, 1.0))
+    # Stage 1 is the slower: 1F1B takes F0 + m (F1 + B1) + B0 = 1 + 12 + 2.
+    one_f_one_b = _C.schedule.one_f_one_b(2, 2)
+    assert _C.schedule.simulate(one_f_one_b, [first, last]).makespan == pytest.approx(15.0)
+    with pytest.raises(ValueError, match="1 per-stage costs for a schedule of 2 stages"):
+        _C.schedule.simulate(one_f_one_b, [first])
 
 
 def test_a_schedule_the_runtime_could_not_have_run_is_rejected():
