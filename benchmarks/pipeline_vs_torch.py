@@ -16,7 +16,13 @@ stage with one thread each:
     With more processes than cores (p = 4 here on 2 cores) the stages share cores and nobody
     reaches it; the ratio to torch is the comparison that means something then.
 
-Reports samples/s, each against torch and as a fraction of the ideal.
+Reports samples/s, each against torch and as a fraction of the ideal; then what each stage's
+pieces cost per microbatch inside the pipeline in both libraries (smp's from its last step's
+timeline, torch's from timing its stage's forward and backward chunks), and, when every stage
+has a core, how long each library's pieces would take in other orders with communication free
+(the schedule IR's simulator with costs per stage): the order smp ran them in, and static 1F1B
+and ZB-H1 programs. A step close to the best order leaves nothing for a static schedule to
+gain; the rest is the pieces' own cost.
 
     .venv/bin/python benchmarks/pipeline_vs_torch.py [--stages 2] [--steps 6] [--json out.json]
 """
@@ -25,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,18 +155,38 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
     schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=lm_loss)
     torch_opt = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
 
+    # Per torch step: seconds in forward and backward chunks (the pieces), and in schedule.step.
+    torch_pieces: list[dict[str, float]] = []
+
+    def timed_chunks(kind: str, method):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                torch_pieces[-1][kind] += time.perf_counter() - start
+
+        return run
+
+    stage.forward_one_chunk = timed_chunks("F", stage.forward_one_chunk)
+    stage.backward_one_chunk = timed_chunks("B", stage.backward_one_chunk)
+
     def torch_step(x, y):
         torch_opt.zero_grad()
+        torch_pieces.append({"F": 0.0, "B": 0.0, "span": 0.0})
+        start = time.perf_counter()
         if rank == 0:
             schedule.step(x)
         elif rank == p - 1:
             schedule.step(target=y, losses=[])
         else:
             schedule.step()
+        torch_pieces[-1]["span"] = time.perf_counter() - start
         torch_opt.step()
 
     best = {name: float("inf") for name in (*VARIANTS, "torch")}
     for _ in range(rounds):
+        del torch_pieces[:]  # the last round's steps are kept
         for name, options in VARIANTS.items():  # the default last: its timeline is kept
             step = smp_runner(options)
             best[name] = min(best[name], timed(step, data, warmup))
@@ -170,7 +198,66 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
         smp.shutdown()
     if rank == 0 and trace:
         timeline.save_chrome_trace(trace)
-    return {"cuts": cuts, "seconds": best, "smp_timeline": timeline.summary()}
+    costs = [
+        (c.forward, c.full_backward, c.backward_input, c.backward_weight)
+        for c in timeline.stage_costs()
+    ]
+    recorded = [[str(a) for a in program] for program in timeline.to_schedule()]
+    steps_of_torch = [None] * p  # every stage's torch pieces, step by step
+    dist.all_gather_object(steps_of_torch, torch_pieces[warmup:])
+    return {
+        "cuts": cuts,
+        "seconds": best,
+        "smp_timeline": timeline.summary(),
+        "smp_span_s": timeline.end - timeline.start,
+        "smp_stage_costs": costs,
+        "smp_schedule": recorded,
+        "torch_pieces": steps_of_torch,
+    }
+
+
+def _torch_costs(r: dict) -> tuple[list[tuple[float, float]], float]:
+    """torch's pieces: per stage (forward, backward) seconds per microbatch, and the seconds of
+    its schedule.step (the slowest stage's), each the median over the last round's steps."""
+
+    def median(values):
+        return sorted(values)[len(values) // 2]
+
+    per_stage = [
+        tuple(median([step[k] / M for step in steps]) for k in "FB") for steps in r["torch_pieces"]
+    ]
+    spans = [
+        max(stage[i]["span"] for stage in r["torch_pieces"])
+        for i in range(len(r["torch_pieces"][0]))
+    ]
+    return per_stage, median(spans)
+
+
+def _orders(r: dict, p: int) -> dict[str, tuple[float, float | None]]:
+    """Seconds each library's pieces (per-stage costs per microbatch) would take in other
+    orders, communication free, against what the step took: smp's from its last step's
+    timeline, torch's from its chunks; the order smp ran them in, and static 1F1B and ZB-H1
+    programs (torch's backward is not split, so no ZB-H1 for it)."""
+    from smp import _C
+
+    ir = _C.schedule
+    smp_costs = [
+        ir.ActionCosts(forward=f, full_backward=b, backward_input=i, backward_weight=w)
+        for f, b, i, w in r["smp_stage_costs"]
+    ]
+    torch_stage, torch_span = _torch_costs(r)
+    torch_costs = [ir.ActionCosts(forward=f, full_backward=b) for f, b in torch_stage]
+    recorded = [[ir.parse_action(a) for a in program] for program in r["smp_schedule"]]
+    one_f_one_b = ir.one_f_one_b(p, M)
+    return {
+        "as run (the step's span)": (r["smp_span_s"], torch_span),
+        "smp's order, replayed": (ir.simulate(recorded, smp_costs).makespan, None),
+        "static 1F1B": (
+            ir.simulate(one_f_one_b, smp_costs).makespan,
+            ir.simulate(one_f_one_b, torch_costs).makespan,
+        ),
+        "static ZB-H1": (ir.simulate(ir.zero_bubble_h1(p, M), smp_costs).makespan, None),
+    }
 
 
 def _stage_times(cuts: list[int], reps: int = 5) -> tuple[list[float], float]:
@@ -244,8 +331,24 @@ def main() -> None:
         print(f"{LABELS[name]:38s}{rate[name]:7.2f} samples/s   {rate[name] / ideal:.3f} of "
               f"ideal   {rate[name] / rate['torch']:.3f}x torch")  # fmt: skip
     print("smp's last step (smp.last_step_timeline()):\n" + r["smp_timeline"])
+    print("per microbatch in the pipeline, ms (smp: that step; torch: median step):")
+    torch_stage, _ = _torch_costs(r)
+    for stage, ((f, b, i, w), (tf, tb)) in enumerate(zip(r["smp_stage_costs"], torch_stage)):
+        split = f" (input {i * 1e3:.1f} + weight {w * 1e3:.1f})" if w else ""
+        print(f"  stage {stage}  forward smp {f * 1e3:6.1f} torch {tf * 1e3:6.1f}  backward smp "
+              f"{b * 1e3:6.1f} torch {tb * 1e3:6.1f}  sum smp / torch "
+              f"{(f + b) / (tf + tb):.3f}{split}")  # fmt: skip
+    orders = {}
+    if p <= (os.cpu_count() or 1):
+        print("each library's pieces in other orders, ms (simulated from those costs, "
+              "communication free):")  # fmt: skip
+        orders = _orders(r, p)
+        print(f"  {'':26s}{'smp':>8s}{'torch':>9s}")
+        for name, (mine, theirs) in orders.items():
+            theirs_text = f"{theirs * 1e3:9.1f}" if theirs is not None else f"{'-':>9s}"
+            print(f"  {name:26s}{mine * 1e3:8.1f}{theirs_text}")
     if args.json:
-        r.update(ideal=ideal, rates=rate, stage_s=stage_s, forward_s=fwd)
+        r.update(ideal=ideal, rates=rate, stage_s=stage_s, forward_s=fwd, orders=orders)
         args.json.write_text(json.dumps(r, indent=2))
 
 
