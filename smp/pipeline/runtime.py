@@ -182,6 +182,7 @@ class _Worker:
         self.boundary: dict[int, torch.Tensor] = {}  # id -> fresh leaf (served inputs, replies)
         self.pending: list[dict] = []  # per interval: edge key -> (edge, grad)
         self.leaf_grads: dict[int, torch.Tensor] = {}
+        self.uses: segments.Uses | None = None  # shared by its segments while backward runs
         self.next_interval = -1  # next interval whose backward runs (-1: backward not started)
         self.backward_done = False
         self.served: tuple[int, int] | None = None  # (caller stage, call id) for served calls
@@ -1162,6 +1163,8 @@ class PipelineRuntime:
         return [e for e, _ in pending.values()], [g for _, g in pending.values()]
 
     def _continue_backward(self, worker: _Worker, roots, grads) -> None:
+        if worker.uses is None:
+            worker.uses = segments.Uses()
         while True:
             j = worker.next_interval
             if roots:
@@ -1171,6 +1174,7 @@ class PipelineRuntime:
                     worker.starts[j],
                     boundary_leaves=worker.boundary.values(),
                     split_weights=self.split_weights and worker.served is not None,
+                    uses=worker.uses,
                 )
                 if result.weights is not None:
                     task_id = self.server.new_id()
@@ -1213,6 +1217,7 @@ class PipelineRuntime:
 
     def _backward_finished(self, worker: _Worker) -> None:
         worker.backward_done = True
+        worker.uses = None
         if worker.served is None:
             self._maybe_finish_microbatch(worker.microbatch)
             return

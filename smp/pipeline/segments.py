@@ -47,6 +47,7 @@ __all__ = [
     "mark",
     "EdgeKey",
     "SegmentResult",
+    "Uses",
     "WeightGrads",
     "run_segment",
     "edge_of",
@@ -121,6 +122,48 @@ class WeightGrads:
                 [e for e, _ in roots], targets, [g for _, g in roots], allow_unused=True
             )
             accumulate(targets, results)
+
+
+class Uses:
+    """Where each leaf and parameter of one worker's graph is first used: the oldest sequence
+    number among the nodes that take it, over every node reachable from the roots walked so far.
+
+    A path from an earlier interval's node to a leaf or parameter passes through a node that
+    takes it and is older than the interval, so an interval need not look below its earlier
+    intervals for a leaf or parameter first used in it (the common case). One per worker: its
+    segments share the walk, so the graph below them is walked once, not once per segment.
+    Holds the nodes walked (their ids must stay theirs) until the worker drops it.
+    """
+
+    def __init__(self) -> None:
+        self._nodes: dict[int, Any] = {}
+        self._first: dict[int, int] = {}
+
+    def walk(self, roots: Sequence[GradientEdge]) -> None:
+        """Indexes the nodes reachable from ``roots`` not walked before."""
+        stack = []
+        for root in roots:
+            node = root.node
+            if node is not None and id(node) not in self._nodes and not hasattr(node, "variable"):
+                self._nodes[id(node)] = node
+                stack.append(node)
+        while stack:
+            node = stack.pop()
+            sequence_nr = node._sequence_nr()
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                variable = getattr(nxt, "variable", None)
+                if variable is not None:
+                    key = id(variable)
+                    self._first[key] = min(self._first.get(key, sequence_nr), sequence_nr)
+                elif id(nxt) not in self._nodes:
+                    self._nodes[id(nxt)] = nxt
+                    stack.append(nxt)
+
+    def used_before(self, variable_id: int, start: int) -> bool:
+        """Whether a node older than ``start`` takes the variable (True when not known)."""
+        return self._first.get(variable_id, -1) < start
 
 
 def _walk(
@@ -278,6 +321,7 @@ def run_segment(
     start: int,
     boundary_leaves: Iterable[torch.Tensor] = (),
     split_weights: bool = False,
+    uses: Uses | None = None,
 ) -> SegmentResult:
     """Backward of one interval (see the module docstring).
 
@@ -290,6 +334,8 @@ def run_segment(
         split_weights: when the segment reaches no earlier interval, leave the gradients of
             the parameters that can wait to the returned :class:`WeightGrads` (module
             docstring).
+        uses: the worker's :class:`Uses`, shared by its segments; without one, every segment
+            with an earlier interval walks the whole graph below it.
 
     Returns:
         A :class:`SegmentResult`. Parameter gradients are accumulated into ``.grad`` (those of
@@ -301,9 +347,13 @@ def run_segment(
     grads = [grads[i] for i in keep]
     boundary_ids = {id(t) for t in boundary_leaves}
     absorbed: dict[int, Any] = {}
+    if uses is not None:
+        uses.walk(edges)
     while True:  # each round absorbs at least one node more; the graph is finite
         stops, leaves, params = _walk(edges, start, boundary_ids, absorbed)
         reached = {id(t) for t in (*leaves, *params)}
+        if uses is not None and stops:  # only those an earlier interval takes too
+            reached = {key for key in reached if uses.used_before(key, start)}
         more = {k: v for k, v in _on_paths(stops, reached).items() if k not in absorbed}
         if not more:
             break

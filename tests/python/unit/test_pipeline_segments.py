@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from smp.pipeline.segments import edge_of, mark, run_segment
+from smp.pipeline.segments import Uses, edge_of, mark, run_segment
 
 
 def _boundary(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,9 @@ def test_segments_with_local_and_remote_consumers_and_a_bounce():
         torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_module_reused_across_intervals_accumulates():
+@pytest.mark.parametrize("shared", [False, True], ids=["walk", "uses"])
+def test_module_reused_across_intervals_accumulates(shared):
+    uses = Uses() if shared else None  # the caller's segments share one (as a worker's do)
     torch.manual_seed(1)
     lin = nn.Linear(4, 4)
     x = torch.randn(3, 4)
@@ -98,9 +101,9 @@ def test_module_reused_across_intervals_accumulates():
     b_back = _boundary(b)
     c1 = mark()
     out = lin(b_back).sum()
-    seg1 = run_segment([out], [torch.ones(())], c1, boundary_leaves=[b_back])
+    seg1 = run_segment([out], [torch.ones(())], c1, boundary_leaves=[b_back], uses=uses)
     remote = run_segment([b], [seg1.leaf_grads[id(b_back)]], r0, boundary_leaves=[a_remote])
-    run_segment([a], [remote.leaf_grads[id(a_remote)]], c0)
+    run_segment([a], [remote.leaf_grads[id(a_remote)]], c0, uses=uses)
     torch.testing.assert_close(lin.weight.grad, expected)
 
 
@@ -113,7 +116,8 @@ def test_unused_and_integer_outputs_are_skipped():
     assert result.edge_grads == {} and result.leaf_grads == {}
 
 
-def test_a_value_and_one_derived_from_it_both_used_by_a_later_interval():
+@pytest.mark.parametrize("shared", [False, True], ids=["walk", "uses"])
+def test_a_value_and_one_derived_from_it_both_used_by_a_later_interval(shared):
     """x and ln(x) come from interval 0 and are both used in interval 1 (and ln(x) in interval 0
     too): autograd must run LayerNorm's backward to reach x's producer from interval 1, so the
     segment runs it there with interval 1's share and again in interval 0 with the rest."""
@@ -138,9 +142,13 @@ def test_a_value_and_one_derived_from_it_both_used_by_a_later_interval():
         m.zero_grad(set_to_none=True)
 
     marks, out = forward(True)
-    late = run_segment([out], [torch.ones(())], marks[1])
+    uses = Uses() if shared else None
+    late = run_segment([out], [torch.ones(())], marks[1], uses=uses)
     early = run_segment(
-        [e for e, _ in late.edge_grads.values()], [g for _, g in late.edge_grads.values()], marks[0]
+        [e for e, _ in late.edge_grads.values()],
+        [g for _, g in late.edge_grads.values()],
+        marks[0],
+        uses=uses,
     )
     assert not early.edge_grads
     for m, grads in expected.items():
@@ -148,7 +156,8 @@ def test_a_value_and_one_derived_from_it_both_used_by_a_later_interval():
             torch.testing.assert_close(p.grad, grads[n])
 
 
-def test_a_later_interval_using_a_leaf_that_an_earlier_value_came_from():
+@pytest.mark.parametrize("shared", [False, True], ids=["walk", "uses"])
+def test_a_later_interval_using_a_leaf_that_an_earlier_value_came_from(shared):
     """Interval 1 uses a parameter and a boundary leaf directly and also values interval 0
     derived from them: autograd must run interval 0's nodes between those values and the
     leaves to give the leaves interval 1's gradient, so the segment runs them with its share
@@ -174,18 +183,60 @@ def test_a_later_interval_using_a_leaf_that_an_earlier_value_came_from():
     lin.zero_grad(set_to_none=True)
 
     marks, b, out = forward(True)
-    late = run_segment([out], [torch.ones(())], marks[1], boundary_leaves=[b])
+    uses = Uses() if shared else None
+    late = run_segment([out], [torch.ones(())], marks[1], boundary_leaves=[b], uses=uses)
     early = run_segment(
         [e for e, _ in late.edge_grads.values()],
         [g for _, g in late.edge_grads.values()],
         marks[0],
         boundary_leaves=[b],
+        uses=uses,
     )
     assert not early.edge_grads
     leaf_grad = late.leaf_grads[id(b)] + early.leaf_grads.get(id(b), 0)
     torch.testing.assert_close(leaf_grad, expected_src)
     for n, p in lin.named_parameters():
         torch.testing.assert_close(p.grad, expected[n])
+
+
+def test_uses_tells_which_leaves_an_earlier_interval_takes():
+    """A deep chain of intervals, each with its own layer, and one weight shared by the first
+    and the last: only that weight is taken before the last interval, so only its segment
+    looks below its earlier intervals; the gradients are plain autograd's."""
+    torch.manual_seed(4)
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(12))
+    shared = nn.Parameter(torch.randn(4))
+    inp = torch.randn(2, 4)
+
+    def forward(marks):
+        h = inp * shared
+        for layer in layers:
+            marks.append(mark())
+            h = torch.tanh(layer(h))
+        return (h * shared).sum()
+
+    forward([]).backward()
+    expected = [p.grad.clone() for p in (*layers.parameters(), shared)]
+    for p in (*layers.parameters(), shared):
+        p.grad = None
+
+    marks: list[int] = []
+    out = forward(marks)
+    uses = Uses()
+    roots, grads = [out], [torch.ones(())]
+    for j in reversed(range(len(marks))):
+        uses.walk([edge_of(out)])
+        layer = layers[j]
+        assert not uses.used_before(id(layer.weight), marks[j])  # first taken in interval j
+        assert uses.used_before(id(shared), marks[j])  # taken before the first layer too
+        result = run_segment(roots, grads, marks[j], uses=uses)
+        roots = [e for e, _ in result.edge_grads.values()]
+        grads = [g for _, g in result.edge_grads.values()]
+    run_segment(roots, grads, 0, uses=uses)  # the part before the first mark
+    got = [p.grad for p in (*layers.parameters(), shared)]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    assert Uses().used_before(id(shared), marks[-1])  # not walked: assumed taken before
 
 
 class _Block(nn.Module):
