@@ -16,15 +16,18 @@ stage with one thread each:
     With more processes than cores (p = 4 here on 2 cores) the stages share cores and nobody
     reaches it; the ratio to torch is the comparison that means something then.
 
-Reports samples/s, each against torch and as a fraction of the ideal; then what each stage's
-pieces cost per microbatch inside the pipeline in both libraries (smp's from its last step's
-timeline, torch's from timing its stage's forward and backward chunks), and, when every stage
-has a core, how long each library's pieces would take in other orders with communication free
-(the schedule IR's simulator with costs per stage): the order smp ran them in, and static 1F1B
-and ZB-H1 programs. A step close to the best order leaves nothing for a static schedule to
-gain; the rest is the pieces' own cost.
+Reports samples/s (best round), each against torch and as a fraction of the ideal, and the ratio
+to torch round by round (a round runs every variant, then torch, so it compares runs seconds
+apart on a machine whose speed drifts: the median of those is the number to go by); then what
+each stage's pieces cost per microbatch inside the pipeline in both libraries (smp's from its
+last step's timeline, torch's from timing its stage's forward and backward chunks), and, when
+every stage has a core, how long each library's pieces would take in other orders with
+communication free (the schedule IR's simulator with costs per stage): the order smp ran them
+in, and static 1F1B and ZB-H1 programs. A step close to the best order leaves nothing for a
+static schedule to gain; the rest is the pieces' own cost.
 
-    .venv/bin/python benchmarks/pipeline_vs_torch.py [--stages 2] [--steps 6] [--json out.json]
+    .venv/bin/python benchmarks/pipeline_vs_torch.py [--stages 2] [--steps 6] [--rounds 3]
+        [--json out.json] [--trace step.json]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -185,14 +189,17 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
         torch_opt.step()
 
     best = {name: float("inf") for name in (*VARIANTS, "torch")}
+    rounds_s: dict[str, list[float]] = {name: [] for name in best}  # every round's seconds
     for _ in range(rounds):
         del torch_pieces[:]  # the last round's steps are kept
         for name, options in VARIANTS.items():  # the default last: its timeline is kept
             step = smp_runner(options)
-            best[name] = min(best[name], timed(step, data, warmup))
+            rounds_s[name].append(timed(step, data, warmup))
+            best[name] = min(best[name], rounds_s[name][-1])
             if name != "default":
                 smp.shutdown()
-        best["torch"] = min(best["torch"], timed(torch_step, data, warmup))
+        rounds_s["torch"].append(timed(torch_step, data, warmup))
+        best["torch"] = min(best["torch"], rounds_s["torch"][-1])
         step(*data[0])
         timeline = smp.last_step_timeline()
         smp.shutdown()
@@ -208,6 +215,7 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
     return {
         "cuts": cuts,
         "seconds": best,
+        "rounds_seconds": rounds_s,
         "smp_timeline": timeline.summary(),
         "smp_span_s": timeline.end - timeline.start,
         "smp_stage_costs": costs,
@@ -219,10 +227,7 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
 def _torch_costs(r: dict) -> tuple[list[tuple[float, float]], float]:
     """torch's pieces: per stage (forward, backward) seconds per microbatch, and the seconds of
     its schedule.step (the slowest stage's), each the median over the last round's steps."""
-
-    def median(values):
-        return sorted(values)[len(values) // 2]
-
+    median = statistics.median
     per_stage = [
         tuple(median([step[k] / M for step in steps]) for k in "FB") for steps in r["torch_pieces"]
     ]
@@ -330,6 +335,16 @@ def main() -> None:
     for name in VARIANTS:
         print(f"{LABELS[name]:38s}{rate[name]:7.2f} samples/s   {rate[name] / ideal:.3f} of "
               f"ideal   {rate[name] / rate['torch']:.3f}x torch")  # fmt: skip
+    # The machine's speed drifts; rounds alternate the libraries, so a round's ratio compares
+    # runs a few seconds apart.
+    per_round = {
+        name: [t / s for t, s in zip(r["rounds_seconds"]["torch"], r["rounds_seconds"][name])]
+        for name in VARIANTS
+    }
+    print("x torch round by round (each round runs every variant, then torch):")
+    for name in VARIANTS:
+        print(f"  {LABELS[name]:36s}median {statistics.median(per_round[name]):.3f}   rounds "
+              + " ".join(f"{x:.3f}" for x in per_round[name]))  # fmt: skip
     print("smp's last step (smp.last_step_timeline()):\n" + r["smp_timeline"])
     print("per microbatch in the pipeline, ms (smp: that step; torch: median step):")
     torch_stage, _ = _torch_costs(r)
