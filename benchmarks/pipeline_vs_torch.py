@@ -238,11 +238,14 @@ def _torch_costs(r: dict) -> tuple[list[tuple[float, float]], float]:
     return per_stage, median(spans)
 
 
-def _orders(r: dict, p: int) -> dict[str, tuple[float, float | None]]:
+def _orders(
+    r: dict, p: int, torch_stage: list[tuple[float, float]], torch_span: float
+) -> dict[str, tuple[float, float | None]]:
     """Seconds each library's pieces (per-stage costs per microbatch) would take in other
     orders, communication free, against what the step took: smp's from its last step's
     timeline, torch's from its chunks; the order smp ran them in, and static 1F1B and ZB-H1
-    programs (torch's backward is not split, so no ZB-H1 for it)."""
+    programs (torch's backward is not split, so no ZB-H1 for it). ``torch_stage`` and
+    ``torch_span``: :func:`_torch_costs`."""
     from smp import _C
 
     ir = _C.schedule
@@ -250,7 +253,6 @@ def _orders(r: dict, p: int) -> dict[str, tuple[float, float | None]]:
         ir.ActionCosts(forward=f, full_backward=b, backward_input=i, backward_weight=w)
         for f, b, i, w in r["smp_stage_costs"]
     ]
-    torch_stage, torch_span = _torch_costs(r)
     torch_costs = [ir.ActionCosts(forward=f, full_backward=b) for f, b in torch_stage]
     recorded = [[ir.parse_action(a) for a in program] for program in r["smp_schedule"]]
     one_f_one_b = ir.one_f_one_b(p, M)
@@ -347,7 +349,7 @@ def main() -> None:
               + " ".join(f"{x:.3f}" for x in per_round[name]))  # fmt: skip
     print("smp's last step (smp.last_step_timeline()):\n" + r["smp_timeline"])
     print("per microbatch in the pipeline, ms (smp: that step; torch: median step):")
-    torch_stage, _ = _torch_costs(r)
+    torch_stage, torch_span = _torch_costs(r)
     for stage, ((f, b, i, w), (tf, tb)) in enumerate(zip(r["smp_stage_costs"], torch_stage)):
         split = f" (input {i * 1e3:.1f} + weight {w * 1e3:.1f})" if w else ""
         print(f"  stage {stage}  forward smp {f * 1e3:6.1f} torch {tf * 1e3:6.1f}  backward smp "
@@ -357,7 +359,7 @@ def main() -> None:
     if p <= (os.cpu_count() or 1):
         print("each library's pieces in other orders, ms (simulated from those costs, "
               "communication free):")  # fmt: skip
-        orders = _orders(r, p)
+        orders = _orders(r, p, torch_stage, torch_span)
         print(f"  {'':26s}{'smp':>8s}{'torch':>9s}")
         for name, (mine, theirs) in orders.items():
             theirs_text = f"{theirs * 1e3:9.1f}" if theirs is not None else f"{'-':>9s}"

@@ -347,12 +347,11 @@ def run_segment(
     grads = [grads[i] for i in keep]
     boundary_ids = {id(t) for t in boundary_leaves}
     absorbed: dict[int, Any] = {}
-    if uses is not None:
-        uses.walk(edges)
     while True:  # each round absorbs at least one node more; the graph is finite
         stops, leaves, params = _walk(edges, start, boundary_ids, absorbed)
         reached = {id(t) for t in (*leaves, *params)}
         if uses is not None and stops:  # only those an earlier interval takes too
+            uses.walk(edges)  # returns at once where an earlier segment walked
             reached = {key for key in reached if uses.used_before(key, start)}
         more = {k: v for k, v in _on_paths(stops, reached).items() if k not in absorbed}
         if not more:
