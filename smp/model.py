@@ -133,6 +133,9 @@ class DistributedModel(nn.Module):
         self._grad_params = [p for p in _unique_parameters(self.module) if p.requires_grad]
         self._stash: list[torch.Tensor | None] | None = None
         self._window_position = 0
+        # Buffers (qualified names) that a step has changed in place: saved before each step so
+        # that a step can run again (smp.step, design.md §4c).
+        self._changing_buffers: set[str] = set()
         self._step_backward_count = 0
         self._grad_union: list[int] | None = None
         self._step_count = 0

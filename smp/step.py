@@ -11,16 +11,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.batchnorm import _NormBase
 
+from smp.pipeline.runtime import CallStructureChanged
 from smp.state import State, get_state
 
 __all__ = ["step", "StepOutput", "StepFailedError", "microbatch"]
+
+logger = logging.getLogger("smp")
 
 
 class StepFailedError(RuntimeError):
@@ -155,6 +160,81 @@ class _MicrobatchError:
     microbatch: int | None
     summary: str
     formatted: str
+    rerun: bool = False  # a call's output structure changed (asynchronous calls): may run again
+
+
+_MAX_RUNS = 4  # a step runs at most this often (design.md §4c: each rerun makes a call wait)
+
+
+class _Rewind:
+    """What a pipelined step may change besides gradients, taken before it runs, so that a step
+    that failed only because a call's output structure changed (asynchronous calls, design.md
+    §4c) can run again exactly: the random generators (torch's CPU and CUDA ones, smp's TP
+    ones), and the buffers. Buffers are compared by identity and version; those that earlier
+    steps changed in place, and the running statistics of batch and instance norms (their
+    kernels update them without bumping the version), are copied; the rest (masks, tables) only
+    checked. Parameters are only checked."""
+
+    def __init__(self, state: State, models: list):
+        self.models = models
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        generators = getattr(state, "tp_generators", None) or {}
+        self.tp = [(g, g.get_state()) for g in generators.values()]
+        # (model, owning module, name, qualified name, tensor, version, copy or None)
+        self.buffers: list[tuple] = []
+        self.params: list[tuple[str, torch.Tensor, int]] = []
+        for model in models:
+            for path, module in model.module.named_modules():
+                for name, buf in module._buffers.items():
+                    if buf is None:
+                        continue
+                    qualified = f"{path}.{name}" if path else name
+                    save = qualified in model._changing_buffers or isinstance(module, _NormBase)
+                    saved = buf.clone() if save else None
+                    self.buffers.append((model, module, name, qualified, buf, buf._version, saved))
+            self.params += [(n, q, q._version) for n, q in model.module.named_parameters()]
+
+    def _changed(self, entry: tuple) -> bool:
+        _, module, name, _, buf, version, _ = entry
+        return module._buffers.get(name) is not buf or buf._version != version
+
+    def note_changes(self) -> None:
+        """Remembers the buffers this run changed: the next steps save them."""
+        for entry in self.buffers:
+            if self._changed(entry):
+                entry[0]._changing_buffers.add(entry[3])
+
+    def blocker(self) -> str | None:
+        """Why the state before the step cannot be restored, or None."""
+        for model in self.models:
+            if model._window_position != 0:  # this step's gradients were added to earlier ones
+                return (
+                    "the step's gradients were added to those of earlier steps (a window of "
+                    f"backward_passes_per_step={model.backward_passes_per_step})"
+                )
+        for name, param, version in self.params:
+            if param._version != version:
+                return f"parameter '{name}' was changed in place during the step"
+        for entry in self.buffers:
+            if self._changed(entry) and entry[6] is None:
+                return (
+                    f"buffer '{entry[3]}' changed during the step for the first time, so it "
+                    "had not been saved before it"
+                )
+        return None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        for generator, generator_state in self.tp:
+            generator.set_state(generator_state)
+        for _, module, name, _, buf, _, saved in self.buffers:
+            if saved is not None:  # always: a norm's statistics change without a version bump
+                with torch.no_grad():
+                    buf.copy_(saved)
+            module._buffers[name] = buf
 
 
 class _StepFunction:
@@ -232,8 +312,36 @@ class _StepFunction:
         if len(runtimes) > 1:
             raise NotImplementedError("smp.step: one pipelined DistributedModel per step function")
 
+        for attempt in range(_MAX_RUNS):
+            for model in models:
+                model._begin_step()
+            rewind = _Rewind(state, models) if runtimes else None
+            results, error, original = self._attempt(state, models, runtimes, calls)
+            if rewind is not None:
+                rewind.note_changes()
+            backward_counts = [m._step_backward_count for m in models]
+            try:
+                again = _agree_on_outcome(
+                    state, error, original, backward_counts, models, rewind, attempt
+                )
+            except BaseException:
+                for model in models:
+                    model._abort_step()  # gradients as they were before the step
+                raise
+            if not again:
+                break
+            for model in models:
+                model._abort_step()
+            rewind.restore()
+            runtimes[0].reruns += 1
         for model in models:
-            model._begin_step()
+            model._finish_step()
+        if runtimes:
+            results = _from_pipeline_leader(state, results, self.detach_outputs)
+        return _to_step_output(results, self.detach_outputs)
+
+    def _attempt(self, state: State, models: list, runtimes: list, calls: list) -> tuple:
+        """Runs the step function once per microbatch: (results, error, original exception)."""
         results: list[Any] = []
         error: _MicrobatchError | None = None
         original: BaseException | None = None
@@ -254,23 +362,12 @@ class _StepFunction:
                 state.microbatch,
                 f"{type(exc).__name__}: {exc}",
                 "".join(traceback.format_exception(exc)),
+                rerun=isinstance(exc, CallStructureChanged),
             )
         finally:
             state.in_step = False
             state.microbatch = None
-
-        backward_counts = [m._step_backward_count for m in models]
-        try:
-            _agree_on_outcome(state, error, original, backward_counts, models)
-        except BaseException:
-            for model in models:
-                model._abort_step()  # gradients as they were before the step
-            raise
-        for model in models:
-            model._finish_step()
-        if runtimes:
-            results = _from_pipeline_leader(state, results, self.detach_outputs)
-        return _to_step_output(results, self.detach_outputs)
+        return results, error, original
 
 
 def step(
@@ -333,9 +430,13 @@ def _agree_on_outcome(
     original: BaseException | None,
     backward_counts: list[int],
     models: list,
-) -> None:
+    rewind: _Rewind | None = None,
+    attempt: int = 0,
+) -> bool:
     """One small collective over the world: did every rank succeed, with the same backward calls,
-    and which parameters got gradients anywhere. A rank's failure is raised on every rank."""
+    and which parameters got gradients anywhere. A rank's failure is raised on every rank, unless
+    every cause was a call whose output structure changed and every rank can restore what the
+    step changed: then True, the step runs again (the same answer on every rank)."""
     world = state.groups["outcome"]
     grad_flags = [flag for m in models for flag in m._grad_presence()]
     header = [1 if error else 0, len(backward_counts), *backward_counts]
@@ -348,8 +449,10 @@ def _agree_on_outcome(
 
     failed_ranks = [r for r in range(state.world_size) if table[r, 0] != 0]
     if failed_ranks:
-        errors: list[Any] = [None] * state.world_size
-        dist.all_gather_object(errors, error, group=world)
+        blocker = "the step is not pipelined" if rewind is None else rewind.blocker()
+        gathered: list[Any] = [None] * state.world_size
+        dist.all_gather_object(gathered, (error, blocker), group=world)
+        errors = [e for e, _ in gathered]
         # The cause, not its echoes: ranks that only saw a peer fail (a collective timed out or
         # lost its peer) are named after a rank whose own code failed.
         causes = [r for r in failed_ranks if not _is_echo(errors[r].summary)]
@@ -357,6 +460,19 @@ def _agree_on_outcome(
         where = f"rank {first.rank}" + (
             f", microbatch {first.microbatch}" if first.microbatch is not None else ""
         )
+        if causes and all(errors[r].rerun for r in causes):
+            blockers = [f"rank {r}: {b}" for r, (_, b) in enumerate(gathered) if b is not None]
+            if attempt + 1 >= _MAX_RUNS:
+                blockers.append(f"the step has run {_MAX_RUNS} times")
+            if not blockers:
+                if state.rank in causes:
+                    logger.warning("%s; smp runs the step again", error.summary)
+                return True
+            if state.rank in causes:
+                raise CallStructureChanged(
+                    f"{original} The step failed and could not run again ({blockers[0]}); "
+                    "the gradients are as they were before it."
+                ) from original
         if original is not None and (not causes or state.rank in causes):
             raise original
         here = f"; on this rank: {error.summary}" if error is not None else ""
@@ -379,6 +495,7 @@ def _agree_on_outcome(
         n = model._num_grad_params()
         model._set_grad_union(any_grad[start : start + n])
         start += n
+    return False
 
 
 def _from_pipeline_leader(state: State, results: list[Any], detach: bool) -> list[Any]:

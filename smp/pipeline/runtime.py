@@ -35,7 +35,7 @@ from smp.pipeline import messages, segments
 from smp.pipeline.sender import Sender
 from smp.state import State
 
-__all__ = ["PipelineRuntime"]
+__all__ = ["CallStructureChanged", "PipelineRuntime"]
 
 REQUEST, REPLY, GRAD_OUT, GRAD_IN, ERROR, STEP_END = range(1, 7)
 _FETCH = -1  # the module index of a REQUEST that asks for an earlier call's outputs
@@ -51,6 +51,13 @@ def _fetch_header(mb: int, fetch_id: int, grad: bool, caller: int, call_id: int,
 
 _ORDER_END, _ORDER_ABORT = -1, -2  # TP task order: the step is over / TP rank 0 failed
 _TAG = 0x5E7
+
+
+class CallStructureChanged(RuntimeError):
+    """A module returned outputs of another structure than its earlier calls with the same
+    arguments, after the caller had continued with the predicted structure (design.md §4c).
+    ``smp.step`` runs such a step again when it can restore what the attempt changed; the
+    module's calls wait for their outputs from then on (its key is never predicted again)."""
 
 
 class _Abort(BaseException):
@@ -409,6 +416,7 @@ class PipelineRuntime:
         # Output structures of earlier calls: (module index, argument structure, grad) ->
         # (bytes, skeleton). Kept across steps; a key whose outputs changed is never predicted.
         self.predictions: dict[tuple, tuple[bytes, Any]] = {}
+        self.reruns = 0  # steps run again after a call's output structure changed (smp.step)
         # Whether the caller used (resolved) a key's outputs the last time it finished a worker.
         self.push_outputs: dict[tuple, bool] = {}
         self.unstable: set[tuple] = set()
@@ -590,13 +598,13 @@ class PipelineRuntime:
         if call.predicted is not None and key != call.predicted:
             self.unstable.add(call.key)
             self.predictions.pop(call.key, None)
-            raise RuntimeError(
+            raise CallStructureChanged(
                 f"smp: module '{call.path}' (pipeline stage {call.owner}) returned "
                 f"{messages.describe(cleared)}, but its earlier calls with the same arguments "
                 f"returned {messages.describe(pickle.loads(call.predicted))}, and the step "
                 "function had continued with that (asynchronous pipeline calls, design.md §4c). "
-                "This step failed and changed nothing; the module's calls are synchronous from "
-                'now on. Set "pipeline_async_calls": False to make every call synchronous.'
+                "The module's calls wait for their outputs from now on; "
+                '"pipeline_async_calls": False makes every call wait.'
             )
         if call.key is not None and call.key not in self.unstable:
             self.predictions[call.key] = (key, cleared)

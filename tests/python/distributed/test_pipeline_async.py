@@ -1,7 +1,8 @@
 """Asynchronous cross-stage calls (design.md §4c): chained calls to one stage run without round
 trips, outputs used on the caller, passed on by reference, or both give exact gradients, a step
-whose calls change is still exact, and a module whose output structure changes fails that step
-clearly and works synchronously afterwards."""
+whose calls change is still exact, and a module whose output structure changes makes smp run
+the step again, exactly, with that module's calls waiting (or, when the step cannot be undone,
+fails it clearly)."""
 
 from __future__ import annotations
 
@@ -157,15 +158,21 @@ def test_chain_and_changing_calls_are_exact(pools, async_calls):
 
 
 class Flaky(nn.Module):
-    """Returns (h,) until ``extra`` is set, then (h, h.sum()): same arguments, new structure."""
+    """Returns (h,) until ``extra`` is set, then (h, h.sum()): same arguments, new structure.
+    Its batch norm's running statistics change at every call in training mode, and so does
+    ``calls`` once ``count`` is set."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(16, 16)
-        self.extra = False
+        self.bn = nn.BatchNorm1d(16)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.extra = self.count = False
 
     def forward(self, h):
-        h = self.fc(h)
+        h = self.bn(self.fc(h))
+        if self.count:
+            self.calls += 1
         return (h, h.sum()) if self.extra else (h,)
 
 
@@ -180,10 +187,7 @@ class UsesFlaky(nn.Module):
         return self.head(self.flaky(self.a(x))[0])
 
 
-def _structure_worker():
-    import smp
-
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
+def _flaky_models(smp):
     torch.manual_seed(0)
     reference = UsesFlaky()
     torch.manual_seed(0)
@@ -191,7 +195,70 @@ def _structure_worker():
     smp.set_partition(module.a, 0)
     smp.set_partition(module.head, 0)
     smp.set_partition(module.flaky, 1)
-    model = smp.DistributedModel(module)
+    return module, reference, smp.DistributedModel(module)
+
+
+def _structure_worker():
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
+    module, reference, model = _flaky_models(smp)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    @smp.step
+    def train_step(model, x, y):
+        draw = torch.rand(())  # the leader's generator: a rerun must draw the same numbers
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss, draw
+
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))]
+    batches *= 4
+    reruns = []
+    for step, (x, y) in enumerate(batches):
+        # Step 2 changes flaky's output structure: the leader had continued with the old one.
+        module.flaky.extra = reference.flaky.extra = step >= 2
+        module.flaky.count = reference.flaky.count = step >= 1  # saved from step 2 on
+        torch.manual_seed(100 + step)
+        optimizer.zero_grad()
+        loss, draws = train_step(model, x, y)
+        reruns.append(model._runtime.reruns)
+        torch.manual_seed(100 + step)
+        expected = [torch.rand(()) for _ in range(2)]
+        ref_optimizer.zero_grad()
+        ref_loss = 0.0
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            mb_loss = F.cross_entropy(reference(xs), ys) / 2
+            mb_loss.backward()
+            ref_loss += mb_loss.item()
+        if smp.pp_rank() == 0:
+            assert [d.item() for d in draws] == [e.item() for e in expected], (step, draws)
+        assert abs(loss.reduce_mean().item() - ref_loss) < 1e-5, step
+        assert_owned_grads_match(model, reference, smp.pp_rank(), TOL)
+        optimizer.step()
+        ref_optimizer.step()
+    if smp.pp_rank() == 1:  # restored before the rerun: updated once per microbatch served
+        buffers = dict(reference.flaky.named_buffers())
+        for name, buffer in module.flaky.named_buffers():  # bn's statistics and ``calls``
+            torch.testing.assert_close(buffer, buffers[name], **TOL, msg=name)
+    for (n, p), q in zip(model.module.named_parameters(), reference.parameters()):
+        if model.partition_plan.assignment[n.rpartition(".")[0]] == smp.pp_rank():
+            torch.testing.assert_close(p, q, **TOL)
+    return reruns
+
+
+def test_changed_output_structure_runs_the_step_again_exactly(pools):
+    # Every rank ran step 2 twice, and step 3 once: flaky's calls wait from then on.
+    assert pools.run(2, _structure_worker) == [[0, 0, 1, 1], [0, 0, 1, 1]]
+
+
+def _unsaved_buffer_worker():
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
+    module, reference, model = _flaky_models(smp)
 
     @smp.step
     def train_step(model, x, y):
@@ -199,39 +266,45 @@ def _structure_worker():
         model.backward(loss)
         return loss
 
+    @smp.step
+    def evaluate(model, x):
+        return model(x)
+
     g = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))]
-    model.zero_grad()
-    train_step(model, *batches[0])
-    before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+    model.eval()
+    evaluate(model, x)
+    model.train()
     module.flaky.extra = reference.flaky.extra = True
-    # The leader, where the REPLY arrived, raises the error itself; the other rank a
-    # StepFailedError quoting it.
+    module.flaky.count = reference.flaky.count = True
     with pytest.raises(RuntimeError) as info:
-        train_step(model, *batches[0])
-    message = str(info.value)
-    after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
-    # The module's calls are synchronous now: the next step is exact.
-    model.zero_grad()
-    loss = train_step(model, *batches[0]).reduce_mean()
-    reference.zero_grad()
+        train_step(model, x, y)  # ``calls`` changes for the first time: nothing saved it
+    assert all(p.grad is None for p in model.parameters())
+    # The module's calls wait now, and ``calls`` is saved from now on: the next step is exact
+    # (the reference runs its microbatches once in each mode, like the failed step).
+    loss = train_step(model, x, y).reduce_mean()
+    reference.eval()
+    reference(x)
+    reference.train()
+    for xs in x.chunk(2):
+        reference(xs)
     ref_loss = 0.0
-    for xs, ys in zip(batches[0][0].chunk(2), batches[0][1].chunk(2)):
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
         mb_loss = F.cross_entropy(reference(xs), ys) / 2
         mb_loss.backward()
         ref_loss += mb_loss.item()
     assert abs(loss.item() - ref_loss) < 1e-5
     assert_owned_grads_match(model, reference, smp.pp_rank(), TOL)
-    return message
+    return str(info.value)
 
 
-def test_changed_output_structure_fails_the_step_then_runs_synchronously(pools):
-    messages = pools.run(2, _structure_worker)
-    for message in messages:
+def test_changed_output_structure_fails_when_the_step_cannot_run_again(pools):
+    leader, other = pools.run(2, _unsaved_buffer_worker)
+    for message in (leader, other):
         assert "module 'flaky'" in message, message
         assert "tuple(Tensor, Tensor)" in message and "tuple(Tensor)" in message, message
-        assert "pipeline_async_calls" in message, message
+    assert "could not run again" in leader and "buffer 'flaky.calls'" in leader, leader
+    assert "changed during the step for the first time" in leader, leader
 
 
 class FourStages(nn.Module):
