@@ -132,6 +132,7 @@ class DistributedModel(nn.Module):
         # gradient all-reduce, identical on every rank.
         self._grad_params = [p for p in _unique_parameters(self.module) if p.requires_grad]
         self._stash: list[torch.Tensor | None] | None = None
+        self._grad_marks: list[tuple[torch.Tensor | None, int | None]] = []  # at _begin_step
         self._window_position = 0
         # Buffers (qualified names) that a step has changed in place: saved before each step so
         # that a step can run again (smp.step, design.md §4c).
@@ -402,7 +403,17 @@ class DistributedModel(nn.Module):
             self._stash = [p.grad for p in self._grad_params]
             for p in self._grad_params:
                 p.grad = None
+        self._grad_marks = [
+            (p.grad, None if p.grad is None else p.grad._version) for p in self._grad_params
+        ]
         self._step_backward_count = 0
+
+    def _grads_changed(self) -> bool:
+        """Whether a gradient was set or added to since ``_begin_step``."""
+        return any(
+            p.grad is not grad or (grad is not None and grad._version != version)
+            for p, (grad, version) in zip(self._grad_params, self._grad_marks)
+        )
 
     def _num_grad_params(self) -> int:
         return len(self._grad_params)
@@ -414,7 +425,18 @@ class DistributedModel(nn.Module):
         self._grad_union = flags
 
     def _abort_step(self) -> None:
-        """Drops the gradients of a failed step and restores those from before it."""
+        """Drops the gradients of a failed step (or an evaluation step) and restores those from
+        before it. Inside a ``backward_passes_per_step`` window a failed step's gradients were
+        added to the window's earlier ones and cannot be told apart: the whole window is
+        dropped (gradients as before the window, with a warning) rather than kept partly."""
+        if self._window_position > 0 and self._grads_changed():
+            logger.warning(
+                "smp: a step failed at pass %d of a backward_passes_per_step=%d window; the "
+                "window's gradients were dropped and the next step starts a new window",
+                self._window_position + 1,
+                self.backward_passes_per_step,
+            )
+            self._window_position = 0
         if self._window_position == 0 and self._stash is not None:
             for p, old in zip(self._grad_params, self._stash):
                 p.grad = old

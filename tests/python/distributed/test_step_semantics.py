@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 import torch.nn.functional as F
 from models import MLP
@@ -204,6 +205,47 @@ def _window_worker():
 def test_backward_passes_per_step_reduces_once_per_window(pools):
     first = pools.run(2, _window_worker)
     assert first[0] != first[1]  # local, unreduced gradients after the first pass
+
+
+def _window_failure_worker():
+    import smp
+
+    smp.init({"microbatches": 2})
+    torch.manual_seed(5)
+    reference = MLP()
+    model = smp.DistributedModel(MLP(), backward_passes_per_step=2)
+    model.load_state_dict(reference.state_dict())
+    fail = {"rank": None}
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x).square().mean()
+        model.backward(loss)
+        if smp.rank() == fail["rank"] and smp.microbatch() == 1:
+            raise ValueError("after two backward passes")
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    r = smp.dp_rank()
+    xs = [torch.randn(4, 12, generator=g) for _ in range(4)]
+    train_step(model, xs[0][r * 2 : r * 2 + 2])  # pass 1 of a window
+    fail["rank"] = 0
+    with pytest.raises(Exception, match="after two backward passes"):
+        train_step(model, xs[1][r * 2 : r * 2 + 2])  # pass 2 fails after adding gradients
+    dropped = all(p.grad is None for p in model.parameters())
+    fail["rank"] = None
+    for x in xs[2:]:  # a new window
+        train_step(model, x[r * 2 : r * 2 + 2])
+        reference(x).square().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    return dropped
+
+
+def test_a_failed_pass_drops_its_backward_passes_per_step_window(pools):
+    # The failed pass had added to the first pass's gradients; keeping them would have mixed
+    # three batches into the next reduction.
+    assert pools.run(2, _window_failure_worker) == [True, True]
 
 
 def _buffers_and_state_dict_worker():
