@@ -7,8 +7,10 @@ stage with one thread each:
   - smp: ``pipeline_parallel_degree=2``, ``microbatches=8``, "interleaved" (1F1B-like) policy;
     the partitioner places the modules; with its defaults (asynchronous cross-stage calls, and
     weight gradients apart from input gradients on the later stages: a zero-bubble split),
-    without the split (``deferred_weight_microbatches=0``), and with
-    ``pipeline_async_calls=False`` too (every call waits for its reply);
+    without the split (``deferred_weight_microbatches=0``), with
+    ``pipeline_async_calls=False`` too (every call waits for its reply), and with the
+    "static" policy ordering each stage's work by its program in the IR's 1F1B and ZB-H1
+    schedules;
   - torch: ``torch.distributed.pipelining`` with ``Schedule1F1B``, the model cut by hand at the
     boundaries smp's partitioner chose, so both run the same stages;
   - ideal: ``m / (m + p - 1)`` of perfect scaling, computed from the measured forward + backward
@@ -55,11 +57,15 @@ MICRO, SEQ, M = 4, 128, 8
 VARIANTS = {
     "sync": {"pipeline_async_calls": False, "deferred_weight_microbatches": 0},
     "no_split": {"deferred_weight_microbatches": 0},
+    "static_1f1b": {"pipeline": "static", "pipeline_schedule": "1f1b"},
+    "static_zbh1": {"pipeline": "static", "pipeline_schedule": "zbh1"},
     "default": {},
 }
 LABELS = {
     "sync": "smp, synchronous calls, no split",
     "no_split": "smp, async calls, no split",
+    "static_1f1b": "smp, static 1F1B program",
+    "static_zbh1": "smp, static ZB-H1 program",
     "default": "smp, default (async, split)",
 }
 BATCH = MICRO * M
@@ -218,6 +224,7 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
         "rounds_seconds": rounds_s,
         "smp_timeline": timeline.summary(),
         "smp_span_s": timeline.end - timeline.start,
+        "smp_pieces": max(len(acts) for acts in timeline.ranks.values()),
         "smp_stage_costs": costs,
         "smp_schedule": recorded,
         "torch_pieces": steps_of_torch,
@@ -309,6 +316,18 @@ def _stage_times(cuts: list[int], reps: int = 5) -> tuple[list[float], float]:
     return [best(run(i)) for i in range(p)], best(forward)
 
 
+def _recording_cost(n: int = 100_000) -> float:
+    """Seconds the runtime's timeline recorder spends per piece (one begin and one end)."""
+    from smp.pipeline.runtime import _Recorder
+
+    recorder = _Recorder()
+    start = time.perf_counter()
+    for _ in range(n):
+        recorder.begin("F", 0)
+        recorder.end()
+    return (time.perf_counter() - start) / n
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", type=int, default=2, choices=[2, 4])
@@ -348,6 +367,10 @@ def main() -> None:
         print(f"  {LABELS[name]:36s}median {statistics.median(per_round[name]):.3f}   rounds "
               + " ".join(f"{x:.3f}" for x in per_round[name]))  # fmt: skip
     print("smp's last step (smp.last_step_timeline()):\n" + r["smp_timeline"])
+    per_piece = _recording_cost()
+    print(f"  recording it: {per_piece * 1e6:.2f} us per piece x {r['smp_pieces']} pieces on the "
+          f"busiest rank = {100 * per_piece * r['smp_pieces'] / r['smp_span_s']:.4f} % of the "
+          "step")  # fmt: skip
     print("per microbatch in the pipeline, ms (smp: that step; torch: median step):")
     torch_stage, torch_span = _torch_costs(r)
     for stage, ((f, b, i, w), (tf, tb)) in enumerate(zip(r["smp_stage_costs"], torch_stage)):

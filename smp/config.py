@@ -15,7 +15,8 @@ from typing import Any
 __all__ = ["Config", "build_config"]
 
 _ALIASES = {"partitions": "pipeline_parallel_degree"}
-_PIPELINES = ("interleaved", "simple")
+_PIPELINES = ("interleaved", "simple", "static")
+_SCHEDULES = ("zbh1", "1f1b", "gpipe")  # pipeline "static": generators of the schedule IR
 _OPTIMIZE = ("speed", "memory")
 _BACKENDS = ("auto", "gloo", "nccl")
 _NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
@@ -59,7 +60,11 @@ class Config:
     """The batch given to a step function is split into this many microbatches."""
     pipeline: str = "interleaved"
     """``"interleaved"``: backward of a ready microbatch first (1F1B-like); ``"simple"``: all
-    forwards, then all backwards."""
+    forwards, then all backwards; ``"static"``: every stage orders its work by its program in
+    the schedule ``pipeline_schedule`` (design.md §4h)."""
+    pipeline_schedule: str | None = None
+    """With ``pipeline: "static"``: ``"zbh1"`` (default; zero-bubble H1, weight gradients
+    apart on the later stages), ``"1f1b"`` or ``"gpipe"``."""
     pipeline_async_calls: bool = True
     """A call of the step function to a module on another stage returns at once with futures
     when the module's output structure is known from an earlier call (design.md §4c)."""
@@ -118,6 +123,17 @@ class Config:
             if f.type is bool and not isinstance(getattr(self, f.name), bool):
                 _fail(f.name, "a bool (True or False)", getattr(self, f.name))
         _check_choice("pipeline", self.pipeline, _PIPELINES)
+        schedule = self.pipeline_schedule
+        if self.pipeline == "static":
+            schedule = "zbh1" if schedule is None else schedule
+            _check_choice("pipeline_schedule", schedule, _SCHEDULES)
+        elif schedule is not None:
+            raise ValueError(
+                f'smp config: "pipeline_schedule" ({schedule!r}) orders the "static" pipeline '
+                f'only; "pipeline" is {self.pipeline!r}. Set "pipeline": "static" or drop '
+                '"pipeline_schedule".'
+            )
+        object.__setattr__(self, "pipeline_schedule", schedule)
         _check_choice("optimize", self.optimize, _OPTIMIZE)
         _check_choice("backend", self.backend, _BACKENDS)
         placement = self.placement_strategy

@@ -1,5 +1,7 @@
 #include "smp/server_policy.h"
 
+#include <climits>
+#include <iterator>
 #include <sstream>
 
 #include "smp/error.h"
@@ -9,8 +11,9 @@ namespace smp {
 PipelineKind parse_pipeline_kind(const std::string& name) {
   if (name == "simple") return PipelineKind::kSimple;
   if (name == "interleaved") return PipelineKind::kInterleaved;
-  throw Error(
-      internal::concat("pipeline must be \"simple\" or \"interleaved\", got \"", name, "\""));
+  if (name == "static") return PipelineKind::kStatic;
+  throw Error(internal::concat("pipeline must be \"simple\", \"interleaved\" or \"static\", got \"",
+                               name, "\""));
 }
 
 const char* pipeline_kind_name(PipelineKind kind) {
@@ -19,6 +22,8 @@ const char* pipeline_kind_name(PipelineKind kind) {
       return "simple";
     case PipelineKind::kInterleaved:
       return "interleaved";
+    case PipelineKind::kStatic:
+      return "static";
   }
   SMP_INTERNAL_ASSERT(false, "unknown PipelineKind");
 }
@@ -44,15 +49,52 @@ std::string Task::to_string() const {
                           ")");
 }
 
+namespace {
+
+// The policy's class of a compute action: F, B (B and I) or W.
+char action_class(schedule::ActionType type) {
+  switch (type) {
+    case schedule::ActionType::kForward:
+      return 'F';
+    case schedule::ActionType::kFullBackward:
+    case schedule::ActionType::kBackwardInput:
+      return 'B';
+    case schedule::ActionType::kBackwardWeight:
+      return 'W';
+    default:
+      return '\0';
+  }
+}
+
+char task_class(TaskKind kind) {
+  switch (kind) {
+    case TaskKind::kStartMicrobatch:
+    case TaskKind::kServeRequest:
+    case TaskKind::kResume:
+      return 'F';
+    case TaskKind::kBackward:
+      return 'B';
+    case TaskKind::kWeight:
+      return 'W';
+  }
+  SMP_INTERNAL_ASSERT(false, "unknown TaskKind");
+}
+
+}  // namespace
+
 ServerPolicy::ServerPolicy(PipelineKind kind, int num_microbatches, int active_microbatches,
-                           bool is_leader, int deferred_weight_microbatches)
+                           bool is_leader, int deferred_weight_microbatches,
+                           const schedule::Program& program)
     : kind_(kind),
       num_microbatches_(num_microbatches),
       active_microbatches_(active_microbatches),
       is_leader_(is_leader),
       deferred_weight_microbatches_(deferred_weight_microbatches) {
-  SMP_CHECK(kind == PipelineKind::kSimple || kind == PipelineKind::kInterleaved,
+  SMP_CHECK(kind == PipelineKind::kSimple || kind == PipelineKind::kInterleaved ||
+                kind == PipelineKind::kStatic,
             "unknown pipeline kind ", static_cast<int>(kind));
+  SMP_CHECK(kind == PipelineKind::kStatic || program.empty(), "a program is for the \"static\" ",
+            "pipeline only, not \"", pipeline_kind_name(kind), "\"");
   SMP_CHECK(num_microbatches >= 1, "microbatches must be >= 1, got ", num_microbatches);
   SMP_CHECK(active_microbatches >= 1 && active_microbatches <= num_microbatches,
             "active_microbatches must be in [1, microbatches=", num_microbatches, "], got ",
@@ -60,6 +102,42 @@ ServerPolicy::ServerPolicy(PipelineKind kind, int num_microbatches, int active_m
   SMP_CHECK(deferred_weight_microbatches >= 0, "deferred_weight_microbatches must be >= 0, got ",
             deferred_weight_microbatches);
   if (is_leader_) phase_.assign(num_microbatches_, Phase::kNotStarted);
+  if (kind_ == PipelineKind::kStatic) build_program(program);
+}
+
+void ServerPolicy::build_program(const schedule::Program& program) {
+  std::ostringstream text;
+  std::vector<int> backward_before;  // leader: microbatches whose B came before, so far
+  if (is_leader_) start_after_.assign(num_microbatches_, {});
+  for (const auto& step : program) {
+    if (!step) continue;
+    const char cls = action_class(step->type);
+    if (cls == '\0') continue;  // communication: messages drive it here
+    const int mb = step->microbatch;
+    SMP_CHECK(mb >= 0 && mb < num_microbatches_, "static pipeline: action ",
+              schedule::to_string(*step), " names microbatch ", mb, ", outside [0, ",
+              num_microbatches_, ")");
+    const auto inserted = positions_.emplace(std::make_pair(cls, mb), positions_.size());
+    SMP_CHECK(inserted.second, "static pipeline: the program has ", schedule::to_string(*step),
+              " twice (or both B and I of microbatch ", mb, ")");
+    text << (positions_.size() > 1 ? " " : "") << schedule::to_string(*step);
+    if (!is_leader_) continue;
+    if (cls == 'B') backward_before.push_back(mb);
+    if (cls == 'F') start_after_[mb] = backward_before;
+  }
+  SMP_CHECK(!positions_.empty(), "static pipeline: the program has no compute action");
+  if (is_leader_) {
+    for (int mb = 0; mb < num_microbatches_; ++mb) {
+      SMP_CHECK(positions_.count({'F', mb}), "static pipeline: the leader's program has no F of ",
+                "microbatch ", mb, " (", text.str(), ")");
+    }
+  }
+  program_text_ = text.str();
+}
+
+int64_t ServerPolicy::position(TaskKind kind, int microbatch) const {
+  const auto it = positions_.find({task_class(kind), microbatch});
+  return it == positions_.end() ? INT64_MAX : it->second;
 }
 
 int ServerPolicy::check_microbatch(int microbatch, const char* what) const {
@@ -114,6 +192,12 @@ Task ServerPolicy::push(TaskKind kind, int microbatch, int64_t id) {
 
 bool ServerPolicy::may_start() const {
   if (!is_leader_ || num_started_ == num_microbatches_) return false;
+  if (kind_ == PipelineKind::kStatic) {
+    for (int mb : start_after_[num_started_]) {
+      if (phase_[mb] != Phase::kFinished) return false;
+    }
+    return true;
+  }
   return kind_ == PipelineKind::kSimple || num_in_flight() < active_microbatches_;
 }
 
@@ -154,6 +238,7 @@ std::optional<Task> ServerPolicy::next() {
     backwards_.erase(backwards_.begin());
     return task;
   };
+  if (kind_ == PipelineKind::kStatic) return next_static();
   if (kind_ == PipelineKind::kInterleaved) {
     // 1. resume  2. backward  3. weight beyond the deferral limit  4. request  5. start while
     // fewer than active are in flight  6. weight.
@@ -172,6 +257,56 @@ std::optional<Task> ServerPolicy::next() {
   if (may_run_backward()) return pop_backward();
   if (!weights_.empty()) return pop_weight();
   return std::nullopt;
+}
+
+std::optional<Task> ServerPolicy::next_static() {
+  if (!resumes_.empty()) return pop_front(resumes_);
+  // The queued task (or start) whose action comes first in the program; ties by arrival.
+  enum class From { kNone, kRequest, kBackward, kWeight, kStart };
+  From from = From::kNone;
+  std::pair<int64_t, int64_t> best{INT64_MAX, INT64_MAX};  // (position, sequence)
+  size_t best_index = 0;
+  auto consider = [&](const Task& task, From source, size_t index) {
+    const std::pair<int64_t, int64_t> key{position(task.kind, task.microbatch), task.sequence};
+    if (from == From::kNone || key < best) {
+      best = key;
+      from = source;
+      best_index = index;
+    }
+  };
+  for (size_t i = 0; i < requests_.size(); ++i) consider(requests_[i], From::kRequest, i);
+  size_t i = 0;
+  for (const Task& task : backwards_) consider(task, From::kBackward, i++);
+  for (size_t j = 0; j < weights_.size(); ++j) consider(weights_[j], From::kWeight, j);
+  if (may_start()) {
+    const Task start{TaskKind::kStartMicrobatch, num_started_, num_started_, next_sequence_};
+    consider(start, From::kStart, 0);
+  }
+  switch (from) {
+    case From::kNone:
+      return std::nullopt;
+    case From::kStart:
+      return take_start();
+    case From::kRequest: {
+      Task task = requests_[best_index];
+      requests_.erase(requests_.begin() + static_cast<std::ptrdiff_t>(best_index));
+      return task;
+    }
+    case From::kBackward: {
+      auto it = std::next(backwards_.begin(), static_cast<std::ptrdiff_t>(best_index));
+      Task task = *it;
+      backwards_.erase(it);
+      return task;
+    }
+    case From::kWeight: {
+      Task task = weights_[best_index];
+      weights_.erase(weights_.begin() + static_cast<std::ptrdiff_t>(best_index));
+      auto it = weights_per_microbatch_.find(task.microbatch);
+      if (--it->second == 0) weights_per_microbatch_.erase(it);
+      return task;
+    }
+  }
+  SMP_INTERNAL_ASSERT(false, "unreachable");
 }
 
 void ServerPolicy::on_forward_done(int microbatch) {
@@ -226,9 +361,10 @@ std::string ServerPolicy::describe() const {
   out << "ServerPolicy(" << pipeline_kind_name(kind_) << ", "
       << (is_leader_ ? "leader" : "non-leader") << ", microbatches=" << num_microbatches_
       << ", active=" << active_microbatches_;
-  if (deferred_weight_microbatches_ > 0) {
+  if (deferred_weight_microbatches_ > 0 && kind_ != PipelineKind::kStatic) {
     out << ", deferred weights=" << deferred_weight_microbatches_;
   }
+  if (kind_ == PipelineKind::kStatic) out << ", program: " << program_text_;
   out << ")";
   if (is_leader_) {
     auto list = [&](Phase wanted) {
@@ -261,7 +397,7 @@ std::string ServerPolicy::describe() const {
     }
     out << "]";
   };
-  if (kind_ == PipelineKind::kInterleaved) dump("backward", backwards_);
+  if (kind_ != PipelineKind::kSimple) dump("backward", backwards_);
   dump("resume", resumes_);
   dump("request", requests_);
   if (kind_ == PipelineKind::kSimple) dump("backward", backwards_);

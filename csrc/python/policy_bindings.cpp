@@ -8,10 +8,18 @@ namespace py = pybind11;
 
 namespace smp::python {
 
+schedule::Program parse_program(const std::vector<std::string>& actions) {
+  schedule::Program program;
+  program.reserve(actions.size());
+  for (const std::string& text : actions) program.emplace_back(schedule::parse_action(text));
+  return program;
+}
+
 void init_policy_bindings(py::module_& m) {
   py::enum_<PipelineKind>(m, "PipelineKind", "The `pipeline` config value.")
       .value("SIMPLE", PipelineKind::kSimple)
-      .value("INTERLEAVED", PipelineKind::kInterleaved);
+      .value("INTERLEAVED", PipelineKind::kInterleaved)
+      .value("STATIC", PipelineKind::kStatic);
   m.def("parse_pipeline_kind", &parse_pipeline_kind, py::arg("name"));
   m.def("pipeline_kind_name", &pipeline_kind_name, py::arg("kind"));
 
@@ -40,16 +48,24 @@ void init_policy_bindings(py::module_& m) {
   py::class_<ServerPolicy>(m, "ServerPolicy",
                            "Task queue and scheduling policy of one rank's pipeline server "
                            "(smp/server_policy.h).")
-      .def(py::init<PipelineKind, int, int, bool, int>(), py::arg("kind"),
-           py::arg("num_microbatches"), py::arg("active_microbatches"), py::arg("is_leader"),
-           py::arg("deferred_weight_microbatches") = 0)
-      .def(py::init([](const std::string& kind, int num_microbatches, int active_microbatches,
-                       bool is_leader, int deferred_weight_microbatches) {
-             return ServerPolicy(parse_pipeline_kind(kind), num_microbatches, active_microbatches,
-                                 is_leader, deferred_weight_microbatches);
+      .def(py::init([](PipelineKind kind, int num_microbatches, int active_microbatches,
+                       bool is_leader, int deferred_weight_microbatches,
+                       const std::vector<std::string>& program) {
+             return ServerPolicy(kind, num_microbatches, active_microbatches, is_leader,
+                                 deferred_weight_microbatches, parse_program(program));
            }),
            py::arg("kind"), py::arg("num_microbatches"), py::arg("active_microbatches"),
-           py::arg("is_leader"), py::arg("deferred_weight_microbatches") = 0)
+           py::arg("is_leader"), py::arg("deferred_weight_microbatches") = 0,
+           py::arg("program") = std::vector<std::string>{})
+      .def(py::init([](const std::string& kind, int num_microbatches, int active_microbatches,
+                       bool is_leader, int deferred_weight_microbatches,
+                       const std::vector<std::string>& program) {
+             return ServerPolicy(parse_pipeline_kind(kind), num_microbatches, active_microbatches,
+                                 is_leader, deferred_weight_microbatches, parse_program(program));
+           }),
+           py::arg("kind"), py::arg("num_microbatches"), py::arg("active_microbatches"),
+           py::arg("is_leader"), py::arg("deferred_weight_microbatches") = 0,
+           py::arg("program") = std::vector<std::string>{})
       .def("push", &ServerPolicy::push, py::arg("kind"), py::arg("microbatch"), py::arg("id"))
       .def("next", &ServerPolicy::next)
       .def("on_forward_done", &ServerPolicy::on_forward_done, py::arg("microbatch"))

@@ -168,14 +168,16 @@ Reads the started transport, turns messages into tasks of its ServerPolicy, and 
 the message that made them runnable.
 )doc")
       .def(py::init([](Transport* transport, const std::string& kind, int num_microbatches,
-                       int active_microbatches, bool is_leader, int deferred_weight_microbatches) {
+                       int active_microbatches, bool is_leader, int deferred_weight_microbatches,
+                       const std::vector<std::string>& program) {
              return new PipelineServer(transport, parse_pipeline_kind(kind), num_microbatches,
-                                       active_microbatches, is_leader,
-                                       deferred_weight_microbatches);
+                                       active_microbatches, is_leader, deferred_weight_microbatches,
+                                       parse_program(program));
            }),
            py::arg("transport"), py::arg("kind"), py::arg("num_microbatches"),
            py::arg("active_microbatches"), py::arg("is_leader"),
-           py::arg("deferred_weight_microbatches") = 0, py::keep_alive<1, 2>())
+           py::arg("deferred_weight_microbatches") = 0,
+           py::arg("program") = std::vector<std::string>{}, py::keep_alive<1, 2>())
       .def("new_id", &PipelineServer::new_id)
       .def("expect", &PipelineServer::expect, py::arg("call_id"), py::arg("kind"),
            py::arg("microbatch"), py::arg("worker_id"))

@@ -8,9 +8,10 @@ namespace smp::pytorch {
 
 PipelineServer::PipelineServer(Transport* transport, PipelineKind kind, int num_microbatches,
                                int active_microbatches, bool is_leader,
-                               int deferred_weight_microbatches)
+                               int deferred_weight_microbatches, const schedule::Program& program)
     : transport_(transport),
-      policy_(kind, num_microbatches, active_microbatches, is_leader, deferred_weight_microbatches),
+      policy_(kind, num_microbatches, active_microbatches, is_leader, deferred_weight_microbatches,
+              program),
       is_leader_(is_leader) {
   SMP_CHECK(transport_ != nullptr, "PipelineServer: transport must not be null");
 }

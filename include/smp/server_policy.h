@@ -43,8 +43,17 @@
 //        on other ranks whenever no forward-type task is queued
 //     5. a weight. No limit: every microbatch's activations are alive when the backwards
 //        begin, so weights waiting for the end do not raise the peak.
-//   Weights run FIFO in both, so the weight gradients of a parameter are summed in the order
-//   their segments' input halves ran, whatever the timing.
+//   static (a per-rank program from the schedule IR, design.md §4h):
+//     1. a resume   2. of the queued tasks and, on the leader, the next start when its gate is
+//     open, the one whose action comes first in this rank's program (requests are F, backwards
+//     B or I, weights W of their microbatch; a task whose action is not in the program comes
+//     after every one that is), ties by arrival.
+//     The leader's gate: microbatch k starts once every microbatch whose B (or I) comes before
+//     F k in the program has finished. Nothing else waits: a rank with a queued task runs one
+//     (the program orders the work that has arrived; messages decide when it arrives).
+//   Weights run FIFO in simple and interleaved, so the weight gradients of a parameter are summed
+//   in the order their segments' input halves ran, whatever the timing; in static they run in
+//   program order, which for every generator's program is microbatch order, then FIFO.
 // next() returns std::nullopt when no queued task may run now; the runtime then waits for the
 // next event (a message), and a wait past timeout_s becomes an error that should quote
 // describe(). The simple leader's hold on backwards cannot deadlock a well-formed step: forward
@@ -58,7 +67,8 @@
 //   - Every task gets a sequence number from one per-policy counter, strictly increasing in the
 //     order tasks become known: at push() for pushed tasks, when next() hands out a start.
 //   - Leader: num_in_flight() <= active_microbatches under "interleaved" (<= num_microbatches
-//     under "simple"); starts are handed out in microbatch order, each exactly once.
+//     under "simple"; under "static" the program's gate decides, active_microbatches is
+//     ignored); starts are handed out in microbatch order, each exactly once.
 //   - Misuse throws smp::Error naming the microbatch: an index outside [0, num_microbatches), a
 //     pushed kStartMicrobatch, and on the leader a task for a microbatch not started or already
 //     finished, a backward before on_forward_done, finishing a microbatch that is not in flight or
@@ -97,16 +107,18 @@
 #include <string>
 #include <vector>
 
+#include "smp/schedule.h"
+
 namespace smp {
 
 /// The scheduling policy of the pipeline server (api.md §1 key `pipeline`).
-enum class PipelineKind { kSimple, kInterleaved };
+enum class PipelineKind { kSimple, kInterleaved, kStatic };
 
-/// Parses the `pipeline` config value: "simple" or "interleaved". Throws smp::Error naming the
-/// value and the allowed ones otherwise.
+/// Parses the `pipeline` config value: "simple", "interleaved" or "static". Throws smp::Error
+/// naming the value and the allowed ones otherwise.
 PipelineKind parse_pipeline_kind(const std::string& name);
 
-/// The config spelling of a policy: "simple" or "interleaved".
+/// The config spelling of a policy: "simple", "interleaved" or "static".
 const char* pipeline_kind_name(PipelineKind kind);
 
 /// What a task does (file comment). kResume, kServeRequest and kStartMicrobatch are forward-type.
@@ -145,8 +157,13 @@ class ServerPolicy {
   /// 0); only the leader starts microbatches and tracks their lifecycle.
   /// `deferred_weight_microbatches` (interleaved): weight tasks of at most this many
   /// microbatches wait for idle time; beyond that the oldest run before new forward work.
+  /// `program` (static only, required there): this rank's compute actions in order (F, B, I,
+  /// W of one stage; idle steps and communication are skipped), e.g. one rank's program of
+  /// schedule::one_f_one_b. Throws smp::Error when it is given to another kind, or is empty,
+  /// names a microbatch outside [0, num_microbatches), names an action twice, or, on the
+  /// leader, lacks an F of some microbatch.
   ServerPolicy(PipelineKind kind, int num_microbatches, int active_microbatches, bool is_leader,
-               int deferred_weight_microbatches = 0);
+               int deferred_weight_microbatches = 0, const schedule::Program& program = {});
 
   /// Queues a task that became runnable and returns it with its sequence number. Throws
   /// smp::Error for a kStartMicrobatch (the leader generates those), a microbatch outside
@@ -199,6 +216,10 @@ class ServerPolicy {
   int check_microbatch(int microbatch, const char* what) const;
   void check_leader(const char* what) const;
   bool may_start() const;
+  // Static: the program position of a task's action (INT64_MAX when the program lacks it).
+  int64_t position(TaskKind kind, int microbatch) const;
+  std::optional<Task> next_static();
+  void build_program(const schedule::Program& program);
   bool may_run_backward() const;
   bool weights_overflow() const;
   Task pop_weight();
@@ -217,6 +238,12 @@ class ServerPolicy {
   int deferred_weight_microbatches_;
   std::deque<Task> weights_;
   std::map<int, int> weights_per_microbatch_;  // microbatch -> its queued weight tasks
+
+  // Static: (F/B/W class, microbatch) -> position in the program; I counts as B.
+  std::map<std::pair<char, int>, int64_t> positions_;
+  // Static, leader: microbatches that must finish before microbatch k starts.
+  std::vector<std::vector<int>> start_after_;
+  std::string program_text_;  // for describe()
 
   // Leader lifecycle; phase_ is empty on other ranks.
   std::vector<Phase> phase_;

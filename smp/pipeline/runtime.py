@@ -426,6 +426,18 @@ class PipelineRuntime:
         # ranks must run the same tasks, and weight tasks fill idle time).
         splits = self.stage != 0 and self.order_group is None
         deferred = int(getattr(state.config, "deferred_weight_microbatches", 0) or 0)
+        # "static" (design.md §4h): this stage's program orders its work; it places weight
+        # halves itself (only zero-bubble programs have W actions).
+        self.program: list[str] = []
+        if state.config.pipeline == "static":
+            self.program = _program(
+                state.config.pipeline_schedule,
+                self.num_stages,
+                state.config.microbatches,
+                self.stage,
+            )
+            has_weights = any("W" in action for action in self.program)
+            deferred = state.config.microbatches if has_weights else 0
         self.deferred_weights = deferred if splits else 0  # the policy's limit on this rank
         self.split_weights = self.deferred_weights > 0
         # Not with TP either: its ranks must run the same tasks, slices included. Not where
@@ -655,6 +667,7 @@ class PipelineRuntime:
             cfg.active_microbatches,
             leader,
             self.deferred_weights,
+            self.program,
         )
         self.policy = self.server.policy
         self.results: list[Any] = [None] * cfg.microbatches
@@ -1259,6 +1272,17 @@ class PipelineRuntime:
         self.sender.send(
             caller, [GRAD_IN, worker.microbatch, call_id, *present], [grads[i] for i in present]
         )
+
+
+def _program(schedule: str, num_stages: int, microbatches: int, stage: int) -> list[str]:
+    """Stage ``stage``'s compute actions in the schedule IR's ``schedule`` (config
+    ``pipeline_schedule``), as action strings ("1F0", "1I0", "1W0")."""
+    generate = {
+        "zbh1": _C.schedule.zero_bubble_h1,
+        "1f1b": _C.schedule.one_f_one_b,
+        "gpipe": _C.schedule.gpipe,
+    }[schedule]
+    return [str(action) for action in generate(num_stages, microbatches)[stage] if action]
 
 
 def _add(store: dict, key: int, grad: torch.Tensor) -> None:

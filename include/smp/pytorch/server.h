@@ -63,7 +63,8 @@ class PipelineServer {
  public:
   /// `transport` must outlive the server and be started; the server never starts or finishes it.
   PipelineServer(Transport* transport, PipelineKind kind, int num_microbatches,
-                 int active_microbatches, bool is_leader, int deferred_weight_microbatches = 0);
+                 int active_microbatches, bool is_leader, int deferred_weight_microbatches = 0,
+                 const schedule::Program& program = {});
 
   /// A fresh task / worker id.
   int64_t new_id() { return next_id_++; }

@@ -19,6 +19,7 @@ namespace {
 
 constexpr PipelineKind kSimple = PipelineKind::kSimple;
 constexpr PipelineKind kInterleaved = PipelineKind::kInterleaved;
+constexpr PipelineKind kStatic = PipelineKind::kStatic;
 
 // ---- scripts: a stream of events and the tasks next() must return ------------------------------
 //
@@ -546,11 +547,16 @@ struct SimResult {
   std::string state;  // describe() of every rank when the simulation stopped
 };
 
-SimResult simulate(PipelineKind kind, int num_microbatches, int active, int stages, Shape shape) {
+// `programs` (static only): one program per rank.
+SimResult simulate(PipelineKind kind, int num_microbatches, int active, int stages, Shape shape,
+                   const schedule::Schedule& programs = {}) {
   const Path path = build_path(shape, stages);
   constexpr int64_t kStride = 1000;  // id = microbatch * kStride + visit index
   std::vector<ServerPolicy> policies;
-  for (int r = 0; r < stages; ++r) policies.emplace_back(kind, num_microbatches, active, r == 0);
+  for (int r = 0; r < stages; ++r) {
+    policies.emplace_back(kind, num_microbatches, active, r == 0, 0,
+                          programs.empty() ? schedule::Program{} : programs[r]);
+  }
 
   struct Message {
     int rank;
@@ -886,6 +892,147 @@ TEST(ServerPolicyTest, WeightsFillIdleTimeAndRunFirstBeyondTheLimit) {
                {"weight task (id 7)", "microbatch 0", "on the leader"});
   expect_error([] { ServerPolicy(kInterleaved, 2, 2, false, -1); },
                {"deferred_weight_microbatches", "got -1"});
+}
+
+// ---- static: a program from the schedule IR orders the work ------------------------------------
+
+schedule::Program program_of(const std::string& text) {
+  schedule::Program program;
+  std::istringstream in(text);
+  for (std::string token; in >> token;) program.emplace_back(schedule::parse_action(token));
+  return program;
+}
+
+// The leader starts microbatch k once every microbatch whose B precedes F k in its program has
+// finished: 1F1B's program gives 1F1B's order on the leader (at most p in flight), GPipe's all
+// forwards first. A later rank runs what has arrived in program order without idling: in the star
+// model the loss is on the leader, so rank 1's B0 comes a round trip after its F0 and F1 fills it.
+TEST(ServerPolicySimulationTest, StaticFollowsTheProgramAsWorkArrives) {
+  const SimResult one = simulate(kStatic, 4, 4, 2, Shape::kStar, schedule::one_f_one_b(2, 4));
+  ASSERT_FALSE(one.deadlocked) << one.state;
+  EXPECT_EQ(joined(one.leader_compute), "F0 F1 B0 F2 B1 F3 B2 B3");
+  EXPECT_EQ(one.max_in_flight, 2);
+  EXPECT_EQ(compute_trace(one, 1), "1F0 2F1 3B0 4B1 6F2 8F3 9B2 10B3");
+
+  const SimResult three = simulate(kStatic, 8, 8, 3, Shape::kChain, schedule::one_f_one_b(3, 8));
+  ASSERT_FALSE(three.deadlocked) << three.state;
+  EXPECT_EQ(joined(three.leader_compute),
+            "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7");  // stage 0 of 1F1B(3, 8)
+  EXPECT_EQ(three.max_in_flight, 3);
+
+  const SimResult all = simulate(kStatic, 4, 4, 2, Shape::kStar, schedule::gpipe(2, 4));
+  ASSERT_FALSE(all.deadlocked) << all.state;
+  EXPECT_EQ(joined(all.leader_compute), "F0 F1 F2 F3 B0 B1 B2 B3");
+  EXPECT_EQ(all.max_in_flight, 4);
+}
+
+// Every generator's program, both shapes, stages 2..3, microbatches 1..8 (interleaved 1F1B where
+// the microbatches divide evenly, with its rank programs): no deadlock, each microbatch's visits
+// run on every rank with backward after forward, at most as many microbatches in flight on the
+// leader as its program has Fs before its first B, and a rerun gives the same ticks.
+TEST(ServerPolicySimulationTest, StaticSweepFinishes) {
+  int runs = 0;
+  for (Shape shape : {Shape::kStar, Shape::kChain}) {
+    for (int stages = 2; stages <= 3; ++stages) {
+      for (int n = 1; n <= 8; ++n) {
+        std::vector<std::pair<std::string, schedule::Schedule>> schedules = {
+            {"gpipe", schedule::gpipe(stages, n)},
+            {"1f1b", schedule::one_f_one_b(stages, n)},
+            {"zbh1", schedule::zero_bubble_h1(stages, n)}};
+        for (const auto& [name, programs] : schedules) {
+          SCOPED_TRACE(name + (shape == Shape::kStar ? " star" : " chain") +
+                       " stages=" + std::to_string(stages) + " microbatches=" + std::to_string(n));
+          const SimResult r = simulate(kStatic, n, n, stages, shape, programs);
+          ++runs;
+          ASSERT_FALSE(r.deadlocked) << r.state;
+          int warmup = 0;
+          for (const auto& action : programs[0]) {
+            if (!action) continue;
+            if (action->type != schedule::ActionType::kForward) break;
+            ++warmup;
+          }
+          EXPECT_LE(r.max_in_flight, warmup);
+          for (int rank = 0; rank < stages; ++rank) {
+            std::map<int, bool> seen_backward;
+            std::map<int, int> visits;
+            for (const Executed& e : r.executed[rank]) {
+              const bool backward = e.task.kind == TaskKind::kBackward;
+              EXPECT_FALSE(!backward && seen_backward[e.task.microbatch]) << e.task.to_string();
+              seen_backward[e.task.microbatch] |= backward;
+              ++visits[e.task.microbatch];
+            }
+            const Path path = build_path(shape, stages);
+            const auto expected = std::count_if(path.visits.begin(), path.visits.end(),
+                                                [rank](const Visit& v) { return v.rank == rank; });
+            for (int m = 0; m < n; ++m) EXPECT_EQ(visits[m], expected) << "rank " << rank;
+          }
+          const SimResult again = simulate(kStatic, n, n, stages, shape, programs);
+          ASSERT_EQ(again.ticks, r.ticks);
+          for (int rank = 0; rank < stages; ++rank) {
+            ASSERT_EQ(again.executed[rank].size(), r.executed[rank].size());
+            for (size_t i = 0; i < r.executed[rank].size(); ++i) {
+              EXPECT_EQ(again.executed[rank][i].task, r.executed[rank][i].task);
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(runs, 2 * 2 * 8 * 3);
+}
+
+// Queued tasks run in program order, not by class: a weight half placed before the next forward
+// runs before that request (interleaved would run the request and leave the weight for idle
+// time); a task the program does not name runs after those it does; resumes come first.
+TEST(ServerPolicyTest, StaticRunsQueuedWorkInProgramOrder) {
+  ServerPolicy other(kStatic, 3, 3, false, 0, program_of("1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2"));
+  other.push(TaskKind::kServeRequest, 1, 1);
+  other.push(TaskKind::kWeight, 0, 2);
+  other.push(TaskKind::kBackward, 0, 3);
+  other.push(TaskKind::kServeRequest, 1, 4);
+  other.push(TaskKind::kResume, 2, 5);
+  for (int64_t id : {5, 3, 2, 1, 4}) EXPECT_EQ(other.next()->id, id);
+  EXPECT_FALSE(other.next());
+  EXPECT_EQ(other.describe(),
+            "ServerPolicy(static, non-leader, microbatches=3, active=3, program: 1F0 1I0 1W0 1F1 "
+            "1I1 1W1 1F2 1I2 1W2); queued 0: backward [] resume [] request []");
+
+  ServerPolicy partial(kStatic, 2, 2, false, 0, program_of("1F1 1B1"));
+  partial.push(TaskKind::kServeRequest, 0, 1);  // microbatch 0 is not in the program
+  partial.push(TaskKind::kBackward, 1, 2);
+  partial.push(TaskKind::kServeRequest, 1, 3);
+  for (int64_t id : {3, 2, 1}) EXPECT_EQ(partial.next()->id, id);
+
+  // The leader's gate: 1F1B(2, 3) stage 0 is F0 F1 B0 F2 B1 B2; F2 waits for microbatch 0.
+  ServerPolicy leader(kStatic, 3, 3, true, 0, schedule::one_f_one_b(2, 3)[0]);
+  EXPECT_EQ(leader.next()->kind, TaskKind::kStartMicrobatch);
+  EXPECT_EQ(leader.next()->microbatch, 1);
+  EXPECT_FALSE(leader.next());
+  leader.on_forward_done(0);
+  leader.push(TaskKind::kBackward, 0, 7);
+  EXPECT_EQ(leader.next()->id, 7);
+  EXPECT_FALSE(leader.next());
+  leader.on_microbatch_finished(0);
+  EXPECT_EQ(leader.next()->microbatch, 2);
+}
+
+TEST(ServerPolicyTest, StaticProgramErrors) {
+  EXPECT_EQ(parse_pipeline_kind("static"), kStatic);
+  EXPECT_STREQ(pipeline_kind_name(kStatic), "static");
+  expect_error([] { parse_pipeline_kind("1f1b"); }, {"\"static\"", "got \"1f1b\""});
+  expect_error([] { ServerPolicy(kInterleaved, 2, 2, false, 0, program_of("1F0")); },
+               {"static", "not \"interleaved\""});
+  expect_error([] { ServerPolicy(kStatic, 2, 2, false, 0, {}); }, {"no compute action"});
+  expect_error([] { ServerPolicy(kStatic, 2, 2, false, 0, program_of("1F0 1F2")); },
+               {"1F2", "microbatch 2", "outside [0, 2)"});
+  expect_error([] { ServerPolicy(kStatic, 2, 2, false, 0, program_of("1F0 1B0 1I0")); },
+               {"1I0 twice", "both B and I"});
+  expect_error([] { ServerPolicy(kStatic, 2, 2, true, 0, program_of("0F0 0B0")); },
+               {"no F of microbatch 1", "0F0 0B0"});
+  // Communication actions are skipped: the lowered form of a program works as well.
+  ServerPolicy lowered(kStatic, 1, 1, false, 0, program_of("1RECV_F0 1F0 1SEND_F0"));
+  lowered.push(TaskKind::kServeRequest, 0, 1);
+  EXPECT_EQ(lowered.next()->id, 1);
 }
 
 }  // namespace smp

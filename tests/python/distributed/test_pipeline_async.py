@@ -104,17 +104,11 @@ def _exact_steps(smp, make, place, variants, seed, microbatches, before_step, af
     return out
 
 
-def _chain_worker(async_calls: bool, microbatches: int):
+def _chain_worker(options: dict, microbatches: int):
     import smp
     from smp.pipeline import runtime
 
-    smp.init(
-        {
-            "pipeline_parallel_degree": 2,
-            "microbatches": microbatches,
-            "pipeline_async_calls": async_calls,
-        }
-    )
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": microbatches} | options)
     waits, fetches = [0], [0]
     wait_for = runtime._Worker.wait_for
     await_values = runtime.PipelineRuntime._await_values
@@ -141,10 +135,18 @@ def _chain_worker(async_calls: bool, microbatches: int):
         runtime.PipelineRuntime._await_values = await_values
 
 
-@pytest.mark.parametrize("async_calls", [True, False])
-def test_chain_and_changing_calls_are_exact(pools, async_calls):
-    waits, fetches = pools.run(2, _chain_worker, async_calls, 4)[0]  # the leader's
-    if async_calls:
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"pipeline_async_calls": False},
+        {"pipeline": "static", "pipeline_schedule": "1f1b"},  # the calls change in step 3
+        {"pipeline": "static", "pipeline_schedule": "zbh1"},
+    ],
+)
+def test_chain_and_changing_calls_are_exact(pools, options):
+    waits, fetches = pools.run(2, _chain_worker, options, 4)[0]  # the leader's
+    if options.get("pipeline_async_calls", True):
         # Step 1 repeats step 0's calls: every block call returns at once, and each microbatch
         # waits once, for the last block's output (the head is on this stage).
         assert waits[1] == 4, waits

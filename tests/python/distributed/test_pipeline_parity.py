@@ -1,6 +1,6 @@
 """Pipeline parallelism equals one process on the whole batch: loss, every gradient of the
 parameters each stage owns, and those parameters after 3 AdamW steps (fp32, rtol = atol = 1e-5;
-AdamW conditioned as in test_dp_parity)."""
+AdamW conditioned as in test_dp_parity), under every policy, "static" with every schedule."""
 
 from __future__ import annotations
 
@@ -15,7 +15,12 @@ STEPS = 3
 def _pipeline_worker(name: str, pp: int, microbatches: int, pipeline: str, batch: int = 8):
     import smp
 
-    smp.init({"pipeline_parallel_degree": pp, "microbatches": microbatches, "pipeline": pipeline})
+    pipeline, _, schedule = pipeline.partition("/")  # "static/1f1b": a program's order
+    options = {"pipeline_schedule": schedule} if schedule else {}
+    smp.init(
+        {"pipeline_parallel_degree": pp, "microbatches": microbatches, "pipeline": pipeline}
+        | options
+    )
     dp_size, dp_rank = smp.dp_size(), smp.dp_rank()
     torch.manual_seed(0)
     reference = build_model(name)
@@ -77,7 +82,9 @@ def _pipeline_worker(name: str, pp: int, microbatches: int, pipeline: str, batch
     return losses, owned
 
 
-@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+@pytest.mark.parametrize(
+    "pipeline", ["simple", "interleaved", "static/zbh1", "static/1f1b", "static/gpipe"]
+)
 @pytest.mark.parametrize("microbatches", [1, 4])
 def test_gpt_two_stages(pools, microbatches, pipeline):
     results = pools.run(2, _pipeline_worker, "gpt", 2, microbatches, pipeline)
@@ -94,6 +101,8 @@ def test_gpt_two_stages(pools, microbatches, pipeline):
         ("bert", 2, 4, "interleaved"),
         ("bert", 4, 8, "simple"),
         ("mlp", 4, 1, "simple"),
+        ("gpt", 4, 8, "static/zbh1"),
+        ("bert", 2, 4, "static/1f1b"),
     ],
 )
 def test_more_stages_and_microbatches(pools, name, pp, microbatches, pipeline):
@@ -102,7 +111,8 @@ def test_more_stages_and_microbatches(pools, name, pp, microbatches, pipeline):
 
 
 @pytest.mark.parametrize(
-    "world, pp, pipeline", [(4, 2, "simple"), (4, 2, "interleaved"), (8, 4, "interleaved")]
+    "world, pp, pipeline",
+    [(4, 2, "simple"), (4, 2, "interleaved"), (8, 4, "interleaved"), (4, 2, "static/zbh1")],
 )
 def test_pipeline_with_data_parallelism(pools, world, pp, pipeline):
     # world = pp x dp 2; each stage's gradients are reduced over its dp group.

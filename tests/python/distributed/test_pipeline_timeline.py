@@ -12,7 +12,9 @@ from models import build_model, loss_fn, make_batch
 def _timeline_worker(tmp: str, schedule: str) -> dict:
     import smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": schedule})
+    pipeline, _, program = schedule.partition("/")  # "static/1f1b": that program's order
+    options = {"pipeline_schedule": program} if program else {}
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": pipeline} | options)
     torch.manual_seed(0)
     model = smp.DistributedModel(build_model("gpt"))
 
@@ -56,10 +58,11 @@ def _timeline_worker(tmp: str, schedule: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "simple"])
+@pytest.mark.parametrize("schedule", ["interleaved", "simple", "static/zbh1", "static/1f1b"])
 def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, schedule):
     results = pools.run(2, _timeline_worker, str(tmp_path), schedule)
     r = results[0]
+    splits = schedule != "static/1f1b"  # 1F1B's program has no weight halves
     assert results[1]["program"] == r["program"]  # every rank gets the same timeline
     for rank, program in r["program"].items():
         for mb in range(4):
@@ -67,7 +70,7 @@ def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, sched
         assert all(a[1] in "FBW" and int(a[0]) == rank for a in program), program
         # Stage 1 serves its calls with their weight gradients apart (design.md §4g); the
         # leader never splits.
-        assert all((f"{rank}W{mb}" in program) == (rank == 1) for mb in range(4)), program
+        assert all((f"{rank}W{mb}" in program) == (rank == 1 and splits) for mb in range(4))
         # No two pieces of one rank overlap, and each backward follows its forward.
         spans = r["spans"][rank]
         assert all(s <= e for s, e in spans)
@@ -78,7 +81,7 @@ def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, sched
     _check_causality(r["pieces_by_action"], microbatches=4)
     # The projection onto the IR (validated in the workers) holds each action once per stage.
     for stage, program in enumerate(r["schedule"]):
-        kinds = "FB" if stage == 0 else "FIW"
+        kinds = "FB" if stage == 0 or not splits else "FIW"
         assert sorted(program) == sorted(f"{stage}{k}{mb}" for k in kinds for mb in range(4))
         assert program.index(f"{stage}F0") < program.index(f"{stage}{kinds[1]}0")
     assert r["csv"].splitlines()[0].startswith("0F0,")
@@ -88,8 +91,24 @@ def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, sched
         total = {k: sum(e - s for a, s, e in pieces if a[1] == k) / 4 for k in "FBW"}
         assert (f, i, w) == pytest.approx((total["F"], total["B"], total["W"]))
         assert b == pytest.approx(i + w) and f > 0 and i > 0
-        assert (w > 0) == (stage == 1)
+        assert (w > 0) == (stage == 1 and splits)
     assert r["replayed"] > 0
+    if schedule.startswith("static"):
+        # The leader starts microbatch k only once every microbatch whose backward comes
+        # before F k in its program has finished (its last backward piece has ended). Both
+        # programs here are 1F1B's on stage 0: F0 F1 B0 F2 B1 F3 B2 B3 (I for B in ZB-H1's).
+        from smp import _C
+
+        generate = {"zbh1": _C.schedule.zero_bubble_h1, "1f1b": _C.schedule.one_f_one_b}
+        program = [str(a) for a in generate[schedule.partition("/")[2]](2, 4)[0] if a]
+        assert [a.replace("I", "B") for a in program if "W" not in a] == [
+            "0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"
+        ]  # fmt: skip
+        pieces = r["pieces_by_action"][0]
+        first_forward = {a: min(s for x, s, _ in pieces if x == a) for a in ("0F2", "0F3")}
+        last_backward = {a: max(e for x, _, e in pieces if x == a) for a in ("0B0", "0B1")}
+        assert last_backward["0B0"] <= first_forward["0F2"] + 1e-6, pieces
+        assert last_backward["0B1"] <= first_forward["0F3"] + 1e-6, pieces
 
 
 def test_stage_costs_turn_a_step_into_what_other_schedules_would_take():

@@ -22,6 +22,7 @@ ALL_KEYS = {
     "tensor_parallel_degree",
     "microbatches",
     "pipeline",
+    "pipeline_schedule",
     "pipeline_async_calls",
     "active_microbatches",
     "deferred_weight_microbatches",
@@ -79,6 +80,7 @@ def test_defaults(user):
         "tensor_parallel_degree": 1,
         "microbatches": 1,
         "pipeline": "interleaved",
+        "pipeline_schedule": None,
         "pipeline_async_calls": True,
         "active_microbatches": 1,
         "deferred_weight_microbatches": 1,
@@ -329,7 +331,7 @@ def test_timeout_bad(bad):
 @pytest.mark.parametrize(
     ("key", "good", "bad"),
     [
-        ("pipeline", ["interleaved", "simple"], ["Simple", "1f1b", 1]),
+        ("pipeline", ["interleaved", "simple", "static"], ["Simple", "1f1b", 1]),
         ("optimize", ["speed", "memory"], ["fast", None]),
         ("backend", ["auto", "gloo", "nccl"], ["mpi", "NCCL"]),
     ],
@@ -340,6 +342,17 @@ def test_enums(key, good, bad):
     for value in bad:
         message = expect_error({key: value}, f'"{key}"', f"got {value!r}")
         assert all(repr(v) in message for v in good)
+
+
+def test_pipeline_schedule_orders_the_static_pipeline_only():
+    assert build_config({"pipeline": "static"}).pipeline_schedule == "zbh1"
+    for schedule in ("zbh1", "1f1b", "gpipe"):
+        config = build_config({"pipeline": "static", "pipeline_schedule": schedule})
+        assert config.pipeline_schedule == schedule
+    expect_error(
+        {"pipeline": "static", "pipeline_schedule": "ZB"}, '"pipeline_schedule"', "got 'ZB'"
+    )
+    expect_error({"pipeline_schedule": "1f1b"}, '"pipeline_schedule"', '"pipeline": "static"')
 
 
 # --- placement --------------------------------------------------------------------------------

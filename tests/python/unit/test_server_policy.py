@@ -18,7 +18,13 @@ def label(task: _C.Task | None) -> str:
     """Short form of a task as in the C++ tests: "S0", "R1#7", "B0#8", or "-" for None."""
     if task is None:
         return "-"
-    letter = {K.START_MICROBATCH: "S", K.SERVE_REQUEST: "Q", K.RESUME: "R", K.BACKWARD: "B"}
+    letter = {
+        K.START_MICROBATCH: "S",
+        K.SERVE_REQUEST: "Q",
+        K.RESUME: "R",
+        K.BACKWARD: "B",
+        K.WEIGHT: "W",
+    }
     text = f"{letter[task.kind]}{task.microbatch}"
     return text if task.kind == K.START_MICROBATCH else f"{text}#{task.id}"
 
@@ -77,6 +83,19 @@ def test_non_leader_and_task_fields():
     assert _C.task_kind_name(K.SERVE_REQUEST) == "request"
     assert _C.parse_pipeline_kind("simple") == _C.PipelineKind.SIMPLE
     assert _C.pipeline_kind_name(_C.PipelineKind.INTERLEAVED) == "interleaved"
+
+
+def test_static_takes_a_program_of_action_strings():
+    policy = _C.ServerPolicy("static", 2, 2, False, 0, ["1F0", "1I0", "1W0", "1F1", "1I1", "1W1"])
+    assert policy.kind == _C.PipelineKind.STATIC
+    policy.push(K.SERVE_REQUEST, 1, 1)
+    policy.push(K.WEIGHT, 0, 2)
+    assert [label(policy.next()), label(policy.next())] == ["W0#2", "Q1#1"]
+    assert "program: 1F0 1I0 1W0 1F1 1I1 1W1" in policy.describe()
+    with pytest.raises(ValueError, match="1X0"):
+        _C.ServerPolicy("static", 2, 2, False, 0, ["1X0"])
+    with pytest.raises(ValueError, match="no compute action"):
+        _C.ServerPolicy("static", 2, 2, False)
 
 
 def test_errors_are_value_errors_naming_the_value():
