@@ -213,8 +213,9 @@ bool ServerPolicy::weights_overflow() const {
   return static_cast<int>(weights_per_microbatch_.size()) > deferred_weight_microbatches_;
 }
 
-Task ServerPolicy::pop_weight() {
-  Task task = pop_front(weights_);
+Task ServerPolicy::pop_weight(size_t index) {
+  Task task = weights_[index];
+  weights_.erase(weights_.begin() + static_cast<std::ptrdiff_t>(index));
   auto it = weights_per_microbatch_.find(task.microbatch);
   if (--it->second == 0) weights_per_microbatch_.erase(it);
   return task;
@@ -298,13 +299,8 @@ std::optional<Task> ServerPolicy::next_static() {
       backwards_.erase(it);
       return task;
     }
-    case From::kWeight: {
-      Task task = weights_[best_index];
-      weights_.erase(weights_.begin() + static_cast<std::ptrdiff_t>(best_index));
-      auto it = weights_per_microbatch_.find(task.microbatch);
-      if (--it->second == 0) weights_per_microbatch_.erase(it);
-      return task;
-    }
+    case From::kWeight:
+      return pop_weight(best_index);
   }
   SMP_INTERNAL_ASSERT(false, "unreachable");
 }

@@ -222,7 +222,7 @@ class ServerPolicy {
   void build_program(const schedule::Program& program);
   bool may_run_backward() const;
   bool weights_overflow() const;
-  Task pop_weight();
+  Task pop_weight(size_t index = 0);  // the oldest by default
   Task take_start();
   static Task pop_front(std::deque<Task>& queue);
 
