@@ -13,14 +13,17 @@ stage with one thread each:
     schedules;
   - torch: ``torch.distributed.pipelining`` with ``Schedule1F1B``, the model cut by hand at the
     boundaries smp's partitioner chose, so both run the same stages;
-  - ideal: ``m / (m + p - 1)`` of perfect scaling, computed from the measured forward + backward
-    time of each stage alone (one process): samples / ((m + p - 1) x slowest stage per microbatch).
-    With more processes than cores (p = 4 here on 2 cores) the stages share cores and nobody
-    reaches it; the ratio to torch is the comparison that means something then.
+  - ideal: ``m / (m + p - 1)`` of perfect scaling, computed from the forward + backward time of
+    each stage alone (no communication; median of 2m microbatches), measured in every round,
+    after torch's run, by every rank at once, as the stages run in the pipeline:
+    samples / ((m + p - 1) x slowest stage per microbatch). With more processes than cores
+    (p = 4 here on 2 cores) the ranks take turns, the stages share cores in the pipeline and
+    nobody reaches it; the ratio to torch is the comparison that means something then.
 
-Reports samples/s (best round), each against torch and as a fraction of the ideal, and the ratio
-to torch round by round (a round runs every variant, then torch, so it compares runs seconds
-apart on a machine whose speed drifts: the median of those is the number to go by); then what
+Reports samples/s (best round), and, round by round, each run as a fraction of that round's
+ideal and smp's against torch (a round runs every variant, then torch, then times the stages alone,
+so it compares runs seconds apart on a machine whose speed drifts: the medians of those are the
+numbers to go by); then what
 each stage's pieces cost per microbatch inside the pipeline in both libraries (smp's from its
 last step's timeline, torch's from timing its stage's forward and backward chunks), and, when
 every stage has a core, how long each library's pieces would take in other orders with
@@ -69,14 +72,14 @@ LABELS = {
     "default": "smp, default (async, split)",
 }
 BATCH = MICRO * M
-LAYERS = 8
+LAYERS, N_EMBD = 8, 384
 
 
 def _gpt():
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=SEQ, n_layer=8, n_head=6, n_embd=384))
+    model = GPT(GPTConfig(block_size=SEQ, n_layer=LAYERS, n_head=6, n_embd=N_EMBD))
     model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())  # a straight chain
     return model
 
@@ -196,6 +199,7 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
 
     best = {name: float("inf") for name in (*VARIANTS, "torch")}
     rounds_s: dict[str, list[float]] = {name: [] for name in best}  # every round's seconds
+    alone_s: list[float] = []  # this stage's fwd+bwd per microbatch alone, round by round
     for _ in range(rounds):
         del torch_pieces[:]  # the last round's steps are kept
         for name, options in VARIANTS.items():  # the default last: its timeline is kept
@@ -206,6 +210,7 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
                 smp.shutdown()
         rounds_s["torch"].append(timed(torch_step, data, warmup))
         best["torch"] = min(best["torch"], rounds_s["torch"][-1])
+        alone_s.append(_stage_alone(stage_module, rank, p, data[0]))
         step(*data[0])
         timeline = smp.last_step_timeline()
         smp.shutdown()
@@ -218,6 +223,8 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
     recorded = [[str(a) for a in program] for program in timeline.to_schedule()]
     steps_of_torch = [None] * p  # every stage's torch pieces, step by step
     dist.all_gather_object(steps_of_torch, torch_pieces[warmup:])
+    stages_alone = [None] * p  # [stage][round]
+    dist.all_gather_object(stages_alone, alone_s)
     return {
         "cuts": cuts,
         "seconds": best,
@@ -228,7 +235,39 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
         "smp_stage_costs": costs,
         "smp_schedule": recorded,
         "torch_pieces": steps_of_torch,
+        "stages_alone_s": [list(r) for r in zip(*stages_alone)],  # [round][stage]
     }
+
+
+def _stage_alone(module: nn.Module, rank: int, p: int, batch, pieces: int = 2 * M) -> float:
+    """Median seconds of one microbatch's forward + backward of this rank's stage alone, no
+    communication: ``pieces`` of them, after one to warm up. With a core per stage every rank
+    measures at once, as the stages run in the pipeline (sharing the memory system); otherwise
+    the ranks take turns."""
+    from model import lm_loss
+
+    x, y = (t[:MICRO] for t in batch)
+    g = torch.Generator().manual_seed(rank)
+    hidden = torch.randn(MICRO, SEQ, N_EMBD, generator=g)
+    times = []
+
+    def measure():
+        for i in range(pieces + 1):
+            start = time.perf_counter()
+            h = x if rank == 0 else hidden.clone().requires_grad_()
+            out = module(h)
+            (lm_loss(out, y) if rank == p - 1 else out.sum()).backward()
+            if i:
+                times.append(time.perf_counter() - start)
+        module.zero_grad(set_to_none=True)
+
+    concurrent = p <= (os.cpu_count() or 1)
+    for turn in range(1 if concurrent else p):
+        dist.barrier()
+        if concurrent or turn == rank:
+            measure()
+    dist.barrier()
+    return statistics.median(times)
 
 
 def _torch_costs(r: dict) -> tuple[list[tuple[float, float]], float]:
@@ -274,46 +313,18 @@ def _orders(
     }
 
 
-def _stage_times(cuts: list[int], reps: int = 5) -> tuple[list[float], float]:
-    """(forward + backward seconds per microbatch of each stage, whole-model forward seconds),
-    one process."""
-    from model import lm_loss
-
+def _forward_time(reps: int = 5) -> float:
+    """Seconds of one microbatch's forward of the whole model, one process (best of ``reps``)."""
     torch.set_num_threads(1)
     gpt = _gpt()
-    x, y = (t[:MICRO] for t in _data(1)[0])
-    p = len(cuts) - 1
-    stages = [_Stage(gpt, cuts[i], cuts[i + 1], i == 0, i == p - 1) for i in range(p)]
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    inputs, h = [], x
+    x = _data(1)[0][0][:MICRO]
+    times = []
     with torch.no_grad():
-        for stage in stages[:-1]:
-            inputs.append(h)
-            h = stage(h)
-    inputs.append(h)
-
-    def run(i: int):
-        def go():
-            h = inputs[i] if i == 0 else inputs[i].clone().requires_grad_()
-            out = stages[i](h)
-            (lm_loss(out, y) if i == p - 1 else out.sum()).backward()
-
-        return go
-
-    def forward():
-        with torch.no_grad():
+        for _ in range(reps + 1):
+            start = time.perf_counter()
             gpt(x)
-
-    return [best(run(i)) for i in range(p)], best(forward)
+            times.append(time.perf_counter() - start)
+    return min(times[1:])
 
 
 def _recording_cost(n: int = 100_000) -> float:
@@ -338,34 +349,43 @@ def main() -> None:
     args = parser.parse_args()
     p = args.stages
     r = run_ranks(_worker, p, p, args.steps, args.rounds, args.trace)
-    stage_s, fwd = _stage_times(r["cuts"])
+    fwd = _forward_time()
     samples = args.steps * BATCH
-    ideal = samples / (args.steps * (M + p - 1) * max(stage_s))
     rate = {name: samples / seconds for name, seconds in r["seconds"].items()}
+    rounds = r["rounds_seconds"]
+    # Each round's ideal: from the stage times measured alone in that round (the machine's speed
+    # drifts, so a round's runs are compared with the stage times of the same minutes).
+    ideal = [samples / (args.steps * (M + p - 1) * max(alone)) for alone in r["stages_alone_s"]]
+    of_ideal = {
+        name: [samples / t / i for t, i in zip(rounds[name], ideal)]
+        for name in ("torch", *VARIANTS)
+    }
+    # Rounds alternate the libraries, so a round's ratio compares runs a few seconds apart.
+    x_torch = {name: [t / s for t, s in zip(rounds["torch"], rounds[name])] for name in VARIANTS}
     cuts = r["cuts"]
     print(f"GPT 8 layers n_embd 384 (untied head), p={p}, m={M} microbatches of {MICRO} x {SEQ} "
           f"tokens; gloo, 1 thread per process")  # fmt: skip
     blocks = " | ".join(f"{cuts[i]}-{cuts[i + 1] - 1}" for i in range(p))
     print(f"stage boundaries (smp's partitioner): blocks {blocks}")
-    per_stage = " / ".join(f"{t * 1e3:.1f}" for t in stage_s)
-    print(f"one microbatch forward, whole model: {fwd * 1e3:.1f} ms; fwd+bwd per stage: "
-          f"{per_stage} ms")  # fmt: skip
-    print(f"{'ideal (m/(m+p-1) from stage times)':38s}{ideal:7.2f} samples/s")
-    print(f"{'torch.distributed.pipelining 1F1B':38s}{rate['torch']:7.2f} samples/s   "
-          f"{rate['torch'] / ideal:.3f} of ideal")  # fmt: skip
-    for name in VARIANTS:
-        print(f"{LABELS[name]:38s}{rate[name]:7.2f} samples/s   {rate[name] / ideal:.3f} of "
-              f"ideal   {rate[name] / rate['torch']:.3f}x torch")  # fmt: skip
-    # The machine's speed drifts; rounds alternate the libraries, so a round's ratio compares
-    # runs a few seconds apart.
-    per_round = {
-        name: [t / s for t, s in zip(r["rounds_seconds"]["torch"], r["rounds_seconds"][name])]
-        for name in VARIANTS
-    }
-    print("x torch round by round (each round runs every variant, then torch):")
-    for name in VARIANTS:
-        print(f"  {LABELS[name]:36s}median {statistics.median(per_round[name]):.3f}   rounds "
-              + " ".join(f"{x:.3f}" for x in per_round[name]))  # fmt: skip
+    print(f"one microbatch forward, whole model: {fwd * 1e3:.1f} ms")
+    alone = "   ".join(" / ".join(f"{t * 1e3:.1f}" for t in rnd) for rnd in r["stages_alone_s"])
+    how = "all stages at once" if p <= (os.cpu_count() or 1) else "one stage at a time"
+    print(f"fwd+bwd per microbatch of each stage alone ({how}), ms, round by round: {alone}")
+    print("ideal (m/(m+p-1) from those), samples/s, round by round: "
+          + " ".join(f"{i:.2f}" for i in ideal))  # fmt: skip
+    median = statistics.median
+    print(f"{'':38s}{'samples/s':>10s}{'of ideal':>10s}{'x torch':>9s}   (best round; medians of "
+          "the rounds' ratios)")  # fmt: skip
+    for name in ("torch", *VARIANTS):
+        label = "torch.distributed.pipelining 1F1B" if name == "torch" else LABELS[name]
+        ratio = f"{median(x_torch[name]):9.3f}" if name != "torch" else f"{'':9s}"
+        print(f"{label:38s}{rate[name]:10.2f}{median(of_ideal[name]):10.3f}{ratio}")
+    print("round by round (each round runs every variant, then torch, then the stages alone):")
+    for name in ("torch", *VARIANTS):
+        label = "torch.distributed.pipelining 1F1B" if name == "torch" else LABELS[name]
+        against = " ".join(f"{x:.3f}" for x in x_torch[name]) if name != "torch" else ""
+        print(f"  {label:36s}of ideal " + " ".join(f"{x:.3f}" for x in of_ideal[name])
+              + (f"   x torch {against}" if against else ""))  # fmt: skip
     print("smp's last step (smp.last_step_timeline()):\n" + r["smp_timeline"])
     per_piece = _recording_cost()
     print(f"  recording it: {per_piece * 1e6:.2f} us per piece x {r['smp_pieces']} pieces on the "
@@ -388,7 +408,7 @@ def main() -> None:
             theirs_text = f"{theirs * 1e3:9.1f}" if theirs is not None else f"{'-':>9s}"
             print(f"  {name:26s}{mine * 1e3:8.1f}{theirs_text}")
     if args.json:
-        r.update(ideal=ideal, rates=rate, stage_s=stage_s, forward_s=fwd, orders=orders)
+        r.update(ideal=ideal, rates=rate, of_ideal=of_ideal, forward_s=fwd, orders=orders)
         args.json.write_text(json.dumps(r, indent=2))
 
 
