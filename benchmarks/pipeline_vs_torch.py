@@ -21,15 +21,15 @@ stage with one thread each:
     nobody reaches it; the ratio to torch is the comparison that means something then.
 
 Reports samples/s (best round), and, round by round, each run as a fraction of that round's
-ideal and smp's against torch (a round runs every variant, then torch, then times the stages alone,
-so it compares runs seconds apart on a machine whose speed drifts: the medians of those are the
-numbers to go by); then what
-each stage's pieces cost per microbatch inside the pipeline in both libraries (smp's from its
-last step's timeline, torch's from timing its stage's forward and backward chunks), and, when
-every stage has a core, how long each library's pieces would take in other orders with
-communication free (the schedule IR's simulator with costs per stage): the order smp ran them
-in, and static 1F1B and ZB-H1 programs. A step close to the best order leaves nothing for a
-static schedule to gain; the rest is the pieces' own cost.
+ideal and smp's against torch (a round runs every variant, then torch, then times the stages
+alone, so it compares runs seconds apart on a machine whose speed drifts: the medians of those
+are the numbers to go by); then what each stage's pieces cost per microbatch inside the
+pipeline in both libraries (smp's from its last step's timeline, torch's from timing its
+stage's forward and backward chunks), and, when every stage has a core, how long each
+library's pieces would take in other orders with communication free (the schedule IR's
+simulator with costs per stage): the order smp ran them in, and static 1F1B and ZB-H1
+programs. A step close to the best order leaves nothing for a static schedule to gain; the
+rest is the pieces' own cost.
 
     .venv/bin/python benchmarks/pipeline_vs_torch.py [--stages 2] [--steps 6] [--rounds 3]
         [--json out.json] [--trace step.json]
