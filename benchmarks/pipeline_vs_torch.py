@@ -56,7 +56,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _launch import run_ranks, timed  # noqa: E402
 
 MICRO, SEQ, M = 4, 128, 8
-# smp's variants, in the order each round runs them (config options; row labels below).
+# smp's variants, in the order each round runs them (config options; row labels below, with
+# torch's).
 VARIANTS = {
     "sync": {"pipeline_async_calls": False, "deferred_weight_microbatches": 0},
     "no_split": {"deferred_weight_microbatches": 0},
@@ -70,9 +71,15 @@ LABELS = {
     "static_1f1b": "smp, static 1F1B program",
     "static_zbh1": "smp, static ZB-H1 program",
     "default": "smp, default (async, split)",
+    "torch": "torch.distributed.pipelining 1F1B",
 }
 BATCH = MICRO * M
 LAYERS, N_EMBD = 8, 384
+
+
+def _core_per_stage(p: int) -> bool:
+    """Whether every stage's process can have a core of its own."""
+    return p <= (os.cpu_count() or 1)
 
 
 def _gpt():
@@ -261,7 +268,7 @@ def _stage_alone(module: nn.Module, rank: int, p: int, batch, pieces: int = 2 * 
                 times.append(time.perf_counter() - start)
         module.zero_grad(set_to_none=True)
 
-    concurrent = p <= (os.cpu_count() or 1)
+    concurrent = _core_per_stage(p)
     for turn in range(1 if concurrent else p):
         dist.barrier()
         if concurrent or turn == rank:
@@ -369,7 +376,7 @@ def main() -> None:
     print(f"stage boundaries (smp's partitioner): blocks {blocks}")
     print(f"one microbatch forward, whole model: {fwd * 1e3:.1f} ms")
     alone = "   ".join(" / ".join(f"{t * 1e3:.1f}" for t in rnd) for rnd in r["stages_alone_s"])
-    how = "all stages at once" if p <= (os.cpu_count() or 1) else "one stage at a time"
+    how = "all stages at once" if _core_per_stage(p) else "one stage at a time"
     print(f"fwd+bwd per microbatch of each stage alone ({how}), ms, round by round: {alone}")
     print("ideal (m/(m+p-1) from those), samples/s, round by round: "
           + " ".join(f"{i:.2f}" for i in ideal))  # fmt: skip
@@ -377,14 +384,12 @@ def main() -> None:
     print(f"{'':38s}{'samples/s':>10s}{'of ideal':>10s}{'x torch':>9s}   (best round; medians of "
           "the rounds' ratios)")  # fmt: skip
     for name in ("torch", *VARIANTS):
-        label = "torch.distributed.pipelining 1F1B" if name == "torch" else LABELS[name]
         ratio = f"{median(x_torch[name]):9.3f}" if name != "torch" else f"{'':9s}"
-        print(f"{label:38s}{rate[name]:10.2f}{median(of_ideal[name]):10.3f}{ratio}")
+        print(f"{LABELS[name]:38s}{rate[name]:10.2f}{median(of_ideal[name]):10.3f}{ratio}")
     print("round by round (each round runs every variant, then torch, then the stages alone):")
     for name in ("torch", *VARIANTS):
-        label = "torch.distributed.pipelining 1F1B" if name == "torch" else LABELS[name]
         against = " ".join(f"{x:.3f}" for x in x_torch[name]) if name != "torch" else ""
-        print(f"  {label:36s}of ideal " + " ".join(f"{x:.3f}" for x in of_ideal[name])
+        print(f"  {LABELS[name]:36s}of ideal " + " ".join(f"{x:.3f}" for x in of_ideal[name])
               + (f"   x torch {against}" if against else ""))  # fmt: skip
     print("smp's last step (smp.last_step_timeline()):\n" + r["smp_timeline"])
     per_piece = _recording_cost()
@@ -399,7 +404,7 @@ def main() -> None:
               f"{b * 1e3:6.1f} torch {tb * 1e3:6.1f}  sum smp / torch "
               f"{(f + b) / (tf + tb):.3f}{split}")  # fmt: skip
     orders = {}
-    if p <= (os.cpu_count() or 1):
+    if _core_per_stage(p):
         print("each library's pieces in other orders, ms (simulated from those costs, "
               "communication free):")  # fmt: skip
         orders = _orders(r, p, torch_stage, torch_span)
