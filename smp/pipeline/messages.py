@@ -1,35 +1,50 @@
 """Packing the arguments and results of cross-stage module calls into tensors.
 
-A call's args/kwargs (or a module's output) may be any nesting of tensors, None, Python scalars
-and strings, tuples (named ones too), lists, dicts, dataclasses and ``ModelOutput``-style
-mappings. ``pack`` splits such a value into
+A call's args/kwargs (or a module's output) may be any Python value that pickle can carry:
+tensors, None, numbers and strings, tuples (named ones too), lists, dicts, dataclasses,
+``ModelOutput``-style mappings, and objects of any other class — a Hugging Face ``DynamicCache``
+or ``EncoderDecoderCache``, a config — with the tensors they hold. ``pack`` splits such a value
+into
 
-  - a *skeleton*: the same structure with every tensor replaced by a :class:`TensorSlot`,
-    pickled into a uint8 tensor so it travels like any payload, and
-  - the list of tensors, in a fixed depth-first order,
+  - a *skeleton*: the value pickled with every tensor replaced by its slot number (pickle's
+    persistent ids), so the tensors travel as payload and never through pickle, and
+  - the list of tensors, in the order pickle meets them,
 
-and ``unpack`` puts them back together. Slots remember whether the tensor required grad, so the
-receiving side knows which values enter the autograd graph.
+and ``fill`` / ``unpack`` put them back together. Slots remember whether the tensor required
+grad, so the receiving side knows which values enter the autograd graph. A module of the model
+travels as its path (``ModuleRef``) and becomes the receiver's own instance of it; a module that
+is not part of the model, or an object that pickle cannot carry (a lock, a lambda, an open
+file), fails with a ``TypeError`` naming its type.
 
 ``pack`` may be given a ``resolve`` hook that sees every tensor first: it returns the tensor to
-send, or a :class:`Ref` when the receiver already holds the value (an output of an earlier call
-it served); a Ref keeps its slot in the skeleton but sends no payload. :func:`structure` is the
-skeleton with every slot's ``requires_grad`` cleared, as bytes: two values with equal structures
-differ only in their tensors.
+send, a :class:`Ref` when the receiver already holds the value (an output of an earlier call it
+served), or a :class:`Sent` when the tensor is one the receiver sent in the request being
+answered (used for arguments a module modified, whose unchanged tensors need not travel back).
+A Ref keeps its slot in the skeleton but sends no payload; a Sent takes no slot.
+:func:`structure` is the skeleton without the slots' ``requires_grad`` flags, as bytes: two
+values with equal structures differ only in their tensors.
+
+Wire form of a skeleton (a uint8 tensor): 4 bytes little-endian slot count n, n bytes of
+``requires_grad`` flags, then the pickle.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import pickle
-from collections.abc import Mapping
+import struct
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 __all__ = [
     "TensorSlot",
     "Ref",
+    "Sent",
+    "Skeleton",
     "pack",
     "unpack",
     "fill",
@@ -38,7 +53,12 @@ __all__ = [
     "structure",
     "describe",
     "map_tensors",
+    "fingerprint",
+    "assign",
 ]
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_COUNT = struct.Struct("<I")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,170 +80,295 @@ class Ref:
     stage: int = -1
 
 
-def _strip(value: Any, tensors: list, resolve=None) -> Any:
-    if isinstance(value, torch.Tensor):
-        if resolve is not None:
-            value = resolve(value)
-            if isinstance(value, Ref):
-                tensors.append(value)
-                return TensorSlot(len(tensors) - 1, False)
-        tensors.append(value)
-        return TensorSlot(len(tensors) - 1, value.requires_grad)
-    if value is None or isinstance(
-        value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-    ):
-        return value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_strip(v, tensors, resolve) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_strip(v, tensors, resolve) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        # ModelOutput-style classes are dataclasses and mappings; rebuild them from their fields.
-        fields = {
-            f.name: _strip(getattr(value, f.name), tensors, resolve)
-            for f in dataclasses.fields(value)
-        }
-        return _Rebuild(type(value), fields)
-    if isinstance(value, Mapping):
-        items = {k: _strip(v, tensors, resolve) for k, v in value.items()}
-        return items if type(value) is dict else _Rebuild(type(value), items)
-    raise TypeError(
-        f"smp: a value of type {type(value).__name__} cannot cross pipeline stages; module "
-        "arguments and outputs may be tensors, None, numbers, strings, and tuples, lists, dicts "
-        "or dataclasses of those"
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """In a reply: the tensor of request slot ``index``, which the receiver already holds."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRef:
+    """A module of the model, by its path (the receiver uses its own instance)."""
+
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Skeleton:
+    """An unpacked skeleton: the pickle (``blob``) and the slots' ``requires_grad`` flags."""
+
+    blob: bytes
+    flags: tuple[bool, ...]
+
+    @staticmethod
+    def of(skeleton: torch.Tensor) -> Skeleton:
+        raw = skeleton.numpy().tobytes()
+        (n,) = _COUNT.unpack_from(raw)
+        start = _COUNT.size
+        return Skeleton(raw[start + n :], tuple(bool(b) for b in raw[start : start + n]))
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a value with its tensors and the model's modules taken out (persistent ids)."""
+
+    def __init__(self, file, resolve, modules, local=None):
+        super().__init__(file, protocol=_PROTOCOL)
+        self.resolve, self.modules, self.local = resolve, modules, local
+        self.tensors: list = []
+        self.flags: list[bool] = []
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            if self.resolve is not None:
+                obj = self.resolve(obj)
+                if isinstance(obj, Sent):
+                    return obj
+                if isinstance(obj, Ref):
+                    self.tensors.append(obj)
+                    self.flags.append(False)
+                    return len(self.tensors) - 1
+            self.tensors.append(obj)
+            self.flags.append(obj.requires_grad)
+            return len(self.tensors) - 1
+        if isinstance(obj, nn.Module):
+            if self.local is not None:  # an in-process copy: modules stay themselves
+                self.local.append(obj)
+                return ModuleRef(f"#{len(self.local) - 1}")
+            path = self.modules.get(id(obj)) if self.modules is not None else None
+            if path is None:
+                raise TypeError(
+                    f"smp: a module of type {type(obj).__name__} that is not part of the "
+                    "distributed model cannot cross pipeline stages; pass its outputs instead, "
+                    "or make it a submodule of the model"
+                )
+            return ModuleRef(path)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, tensors, modules, sent):
+        super().__init__(file)
+        self.tensors, self.modules, self.sent = tensors, modules, sent
+
+    def persistent_load(self, pid):
+        if isinstance(pid, int):
+            return self.tensors[pid]
+        if isinstance(pid, Sent):
+            if self.sent is None:
+                raise RuntimeError("smp: a reply names a request tensor, but none was given")
+            return self.sent[pid.index]
+        if isinstance(pid, ModuleRef):
+            if self.modules is None:
+                return _Shown(f"Module({pid.path or '<root>'})")
+            return self.modules[pid.path]
+        raise pickle.UnpicklingError(f"smp: unknown persistent id {pid!r}")
+
+
+def _cannot_cross(value: Any, exc: BaseException) -> TypeError:
+    return TypeError(
+        f"smp: a value of type {type(value).__name__} cannot cross pipeline stages: {exc}. "
+        "Module arguments and outputs may be tensors, Python values and objects that pickle "
+        "can carry (with any tensors they hold); keep other objects on one stage (e.g. with "
+        "smp.partition) or pass what they compute instead"
     )
 
 
-@dataclasses.dataclass
-class _Rebuild:
-    """A mapping or dataclass of type ``cls`` to rebuild from ``fields`` (keyword arguments)."""
-
-    cls: type
-    fields: dict
-
-
-def _fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(skeleton, TensorSlot):
-        return tensors[skeleton.index]
-    if isinstance(skeleton, _Rebuild):
-        fields = {k: _fill(v, tensors) for k, v in skeleton.fields.items()}
-        try:
-            return skeleton.cls(**fields)
-        except TypeError:
-            return skeleton.cls(fields)
-    if isinstance(skeleton, tuple) and hasattr(skeleton, "_fields"):
-        return type(skeleton)(*(_fill(v, tensors) for v in skeleton))
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_fill(v, tensors) for v in skeleton)
-    if isinstance(skeleton, dict):
-        return {k: _fill(v, tensors) for k, v in skeleton.items()}
-    return skeleton
-
-
-def pack(value: Any, resolve=None) -> tuple[torch.Tensor, list]:
-    """Returns (skeleton as a uint8 tensor, tensors in depth-first order); with ``resolve``, the
-    list holds a :class:`Ref` where the hook returned one.
+def pack(
+    value: Any,
+    resolve: Callable | None = None,
+    modules: Mapping[int, str] | None = None,
+    local_modules: list | None = None,
+) -> tuple[torch.Tensor, list]:
+    """Returns (skeleton as a uint8 tensor, tensors in slot order); with ``resolve``, the list
+    holds a :class:`Ref` where the hook returned one. ``modules`` maps ``id(module)`` to its path
+    for the model's modules, which travel by path; with ``local_modules`` (a copy made in this
+    process) every module is appended there instead and referred to by position.
 
     Raises:
         TypeError: a value that cannot cross stages (named by type).
     """
-    tensors: list = []
-    skeleton = _strip(value, tensors, resolve)
-    blob = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8), tensors
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer, resolve, modules, local_modules)
+    try:
+        pickler.dump(value)
+    except TypeError as exc:
+        if str(exc).startswith("smp:"):
+            raise
+        raise _cannot_cross(value, exc) from exc
+    except (pickle.PicklingError, AttributeError) as exc:
+        raise _cannot_cross(value, exc) from exc
+    flags = bytes(pickler.flags)
+    blob = _COUNT.pack(len(flags)) + flags + buffer.getvalue()
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8), pickler.tensors
 
 
-def unpack(skeleton: torch.Tensor, tensors: list) -> Any:
+def fill(
+    skeleton: Skeleton,
+    tensors: list,
+    modules: Mapping[str, nn.Module] | None = None,
+    sent: list | None = None,
+) -> Any:
+    """The value of ``skeleton`` with ``tensors[i]`` at slot i (any objects will do), the
+    receiver's modules for module references and ``sent[i]`` for :class:`Sent` markers. Every
+    call builds new objects."""
+    return _Unpickler(io.BytesIO(skeleton.blob), tensors, modules, sent).load()
+
+
+def unpack(skeleton: torch.Tensor, tensors: list, modules=None, sent=None) -> Any:
     """Inverse of :func:`pack`."""
-    return fill(pickle.loads(skeleton.numpy().tobytes()), tensors)
+    return fill(Skeleton.of(skeleton), tensors, modules, sent)
 
 
-def fill(structure: Any, tensors: list) -> Any:
-    """The value of an unpickled skeleton with ``tensors[i]`` at slot i (any objects will do)."""
-    return _fill(structure, tensors)
-
-
-def _cleared(node: Any) -> Any:
-    if isinstance(node, TensorSlot):
-        return TensorSlot(node.index, False)
-    if isinstance(node, _Rebuild):
-        return _Rebuild(node.cls, {k: _cleared(v) for k, v in node.fields.items()})
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return type(node)(*(_cleared(v) for v in node))
-    if isinstance(node, (list, tuple)):
-        return type(node)(_cleared(v) for v in node)
-    if isinstance(node, dict):
-        return {k: _cleared(v) for k, v in node.items()}
-    return node
-
-
-def structure(skeleton: torch.Tensor) -> tuple[bytes, Any]:
-    """(bytes, object) of the skeleton with every slot's ``requires_grad`` cleared."""
-    cleared = _cleared(pickle.loads(skeleton.numpy().tobytes()))
-    return pickle.dumps(cleared, protocol=pickle.HIGHEST_PROTOCOL), cleared
-
-
-def map_tensors(value: Any, fn) -> Any:
-    """``value`` rebuilt with every tensor ``t`` (in containers :func:`pack` accepts) replaced
-    by ``fn(t)``; values of other types are kept as they are."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(map_tensors(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(map_tensors(v, fn) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: map_tensors(v, fn) for k, v in value.items()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: map_tensors(getattr(value, f.name), fn) for f in dataclasses.fields(value)
-        }
-        return dataclasses.replace(value, **changes) if changes else value
-    if isinstance(value, Mapping):
-        items = {k: map_tensors(v, fn) for k, v in value.items()}
-        try:
-            return type(value)(**items)
-        except TypeError:
-            return type(value)(items)
-    return value
+def structure(skeleton: torch.Tensor) -> tuple[bytes, Skeleton]:
+    """(bytes, skeleton): the structure without the slots' ``requires_grad`` flags."""
+    unpacked = Skeleton.of(skeleton)
+    return unpacked.blob, unpacked
 
 
 def slots(skeleton: torch.Tensor) -> list[TensorSlot]:
     """The tensor slots of a packed skeleton, in tensor order."""
-    return slots_of(pickle.loads(skeleton.numpy().tobytes()))
+    return slots_of(Skeleton.of(skeleton))
 
 
-def describe(structure: Any) -> str:
-    """A short description of an unpickled skeleton, e.g. ``tuple(Tensor, None, 3)``."""
-    if isinstance(structure, TensorSlot):
-        return "Tensor"
-    if isinstance(structure, _Rebuild):
-        inner = ", ".join(f"{k}={describe(v)}" for k, v in structure.fields.items())
-        return f"{structure.cls.__name__}({inner})"
-    if isinstance(structure, (list, tuple)):
-        return f"{type(structure).__name__}({', '.join(describe(v) for v in structure)})"
-    if isinstance(structure, dict):
-        return "dict(" + ", ".join(f"{k}={describe(v)}" for k, v in structure.items()) + ")"
-    return repr(structure)
+def slots_of(skeleton: Skeleton) -> list[TensorSlot]:
+    """The tensor slots of an unpacked skeleton, in tensor order."""
+    return [TensorSlot(i, flag) for i, flag in enumerate(skeleton.flags)]
 
 
-def slots_of(structure: Any) -> list[TensorSlot]:
-    """The tensor slots of an unpickled skeleton, in tensor order."""
-    found: list[TensorSlot] = []
-    _collect_slots(structure, found)
-    return sorted(found, key=lambda s: s.index)
+class _Shown:
+    """A placeholder that :func:`describe` prints as its text."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
 
 
-def _collect_slots(node: Any, found: list[TensorSlot]) -> None:
-    # A module-level function: a nested recursive one is a reference cycle per call.
-    if isinstance(node, TensorSlot):
-        found.append(node)
-    elif isinstance(node, _Rebuild):
-        for v in node.fields.values():
-            _collect_slots(v, found)
-    elif isinstance(node, (list, tuple)):
-        for v in node:
-            _collect_slots(v, found)
-    elif isinstance(node, dict):
-        for v in node.values():
-            _collect_slots(v, found)
+def describe(skeleton: Skeleton) -> str:
+    """A short description of a skeleton, e.g. ``tuple(Tensor, None, 3)``."""
+    value = fill(skeleton, _SentShown("Tensor"), None, _SentShown("Tensor(request slot {})"))
+    return _describe(value, 0)
+
+
+class _SentShown:
+    """Stands for a list of tensors whose items :func:`describe` shows by ``text``."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __getitem__(self, index: int) -> _Shown:
+        return _Shown(self.text.format(index))
+
+
+def _describe(value: Any, depth: int) -> str:
+    if depth > 4:
+        return "..."
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        inner = ", ".join(f"{k}={_describe(v, depth + 1)}" for k, v in value._asdict().items())
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}({', '.join(_describe(v, depth + 1) for v in value)})"
+    if isinstance(value, Mapping):
+        inner = ", ".join(f"{k}={_describe(v, depth + 1)}" for k, v in value.items())
+        return f"{type(value).__name__}({inner})"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        inner = ", ".join(
+            f"{f.name}={_describe(getattr(value, f.name), depth + 1)}"
+            for f in dataclasses.fields(value)
+        )
+        return f"{type(value).__name__}({inner})"
+    state = getattr(value, "__dict__", None)
+    if state is not None and not isinstance(value, (_Shown, type)):
+        inner = ", ".join(f"{k}={_describe(v, depth + 1)}" for k, v in state.items())
+        return f"{type(value).__name__}({inner})"
+    return repr(value)
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` rebuilt with every tensor ``t`` replaced by ``fn(t)``. Tuples, lists and dicts
+    are walked directly; any other object holding tensors is rebuilt through :func:`pack` /
+    :func:`fill` (a copy); values without tensors are kept as they are."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, _PLAIN):
+        return value
+    if type(value) is tuple or type(value) is list:
+        return type(value)(map_tensors(v, fn) for v in value)
+    if type(value) is dict:
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    local: list = []
+    try:
+        skeleton, tensors = pack(value, local_modules=local)
+    except TypeError:
+        return value  # not ours to carry: the caller meets it as it is
+    if not tensors:
+        return value
+    table = {f"#{i}": m for i, m in enumerate(local)}
+    return fill(Skeleton.of(skeleton), [fn(t) for t in tensors], table)
+
+
+def fingerprint(value: Any) -> bytes | None:
+    """The state of ``value`` as bytes, tensors by identity (not contents): equal before and
+    after a module's forward iff the forward changed no attribute, item or element anywhere in
+    it (replaced tensors count; in-place changes to a tensor's data do not). None for values
+    that hold no mutable state (tensors, plain values) or that pickle cannot carry."""
+    if isinstance(value, (torch.Tensor, *_PLAIN)):
+        return None
+    buffer = io.BytesIO()
+    pickler = _IdentityPickler(buffer)
+    try:
+        pickler.dump(value)
+    except (TypeError, pickle.PicklingError, AttributeError):
+        return None
+    return buffer.getvalue()
+
+
+class _IdentityPickler(pickle.Pickler):
+    def __init__(self, file):
+        super().__init__(file, protocol=_PROTOCOL)
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            return ("tensor", id(obj))
+        if isinstance(obj, nn.Module):
+            return ("module", id(obj))
+        return None
+
+
+def assign(target: Any, source: Any) -> None:
+    """Makes ``target`` hold what ``source`` holds, in place: the caller's argument takes the
+    state that the module's forward left in the owner's copy of it (a cache that the module
+    appended to). Lists, dicts and sets take the items; objects their attributes (``__dict__``
+    and ``__slots__``); tuples, immutable themselves, pass the assignment on to their items."""
+    if target is source:
+        return
+    if type(target) is not type(source):
+        raise TypeError(
+            f"smp: a module changed an argument of type {type(target).__name__} into "
+            f"{type(source).__name__} in place; that cannot be carried back across stages"
+        )
+    if isinstance(target, tuple):
+        for t, s in zip(target, source):
+            if not isinstance(t, (torch.Tensor, *_PLAIN)):
+                assign(t, s)
+        return
+    if isinstance(target, list):
+        target[:] = source
+    elif isinstance(target, (dict, set)):
+        target.clear()
+        target.update(source)
+    state = getattr(source, "__dict__", None)
+    if state is not None:
+        target.__dict__.clear()
+        target.__dict__.update(state)
+    for cls in type(source).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if hasattr(source, name):
+                object.__setattr__(target, name, getattr(source, name))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import pickle
 import queue
 import threading
 import time
@@ -85,6 +84,7 @@ class _Call:
     used: bool = False  # an output was resolved here (not only passed on by reference)
     fetch_of: _Call | None = None  # a FETCH: the call whose outputs it brings
     fetch: _Call | None = None  # the FETCH sent for this call's outputs
+    originals: list = dataclasses.field(default_factory=list)  # request tensors, slot order
 
 
 @dataclasses.dataclass
@@ -167,6 +167,19 @@ def _resolve_results(value):
     return messages.map_tensors(value, _resolve)
 
 
+def _call_and_note_changes(module: nn.Module, args: tuple, kwargs: dict, values: list, worker):
+    """Runs a served call. Returns (outputs, changed): the arguments whose state the forward
+    changed (a cache it appended to), as ``[(position or keyword, value)]``, for the caller to
+    take over. Notes on ``worker`` which tensors came with the request, so that a tensor handed
+    back unchanged travels as a reference to the caller's own (``messages.Sent``)."""
+    watched = [*enumerate(args), *kwargs.items()]
+    before = [(where, v, messages.fingerprint(v)) for where, v in watched]
+    output = module(*args, **kwargs)
+    changed = [(w, v) for w, v, fp in before if fp is not None and messages.fingerprint(v) != fp]
+    worker.sent_ids = {id(v): i for i, v in enumerate(values) if isinstance(v, torch.Tensor)}
+    return output, changed
+
+
 class _Worker:
     """A forward running in its own thread: the step function (leader) or a served call."""
 
@@ -196,6 +209,7 @@ class _Worker:
         self.module_path: str | None = None  # the module a served call runs
         self.input_leaves: list[tuple[int, torch.Tensor]] = []  # served: (slot, leaf)
         self.out_tensors: list[torch.Tensor] = []  # served: every output tensor, slot order
+        self.sent_ids: dict[int, int] = {}  # served: id of a request tensor -> its slot
         self.out_grads_acc: dict[int, torch.Tensor] = {}  # served: output slot -> gradient
         self.awaiting = 0  # served: gradient deliveries missing (GRAD_OUT, consumers' shares)
         self.grad = runtime.grad_enabled  # grad mode (served: the caller's, from REQUEST)
@@ -243,6 +257,7 @@ class _Worker:
         self.target = self.result = self.error = self.waiting = self.skeleton = None
         self.calls, self.boundary, self.pending, self.leaf_grads = [], {}, [], {}
         self.input_leaves, self.out_tensors, self.out_grads_acc = [], [], {}
+        self.sent_ids = {}
         self.fetches, self.ref_inputs, self.ref_leaves, self.peer_inputs = [], [], [], []
         self.deferred = []
 
@@ -395,6 +410,7 @@ class PipelineRuntime:
         self.module = module
         self.paths = [path for path, _ in module.named_modules()]
         self.modules = dict(module.named_modules())
+        self.module_ids = {id(m): path for path, m in self.modules.items()}  # travel by path
         self.index_of = {path: i for i, path in enumerate(self.paths)}
         self.assignment = assignment
         self._tag = _TAG
@@ -531,7 +547,10 @@ class PipelineRuntime:
         futures at once (design.md §4c); any other call suspends the worker until REPLY."""
         call_id = next(self._call_ids)
 
+        originals: list = []  # what the reply's Sent markers name (the caller's own tensors)
+
         def resolve(tensor):
+            originals.append(tensor)
             if isinstance(tensor, _Future):
                 call = tensor._smp_call
                 if call.worker.runtime is self:
@@ -542,13 +561,14 @@ class PipelineRuntime:
                 return tensor._smp_value()
             return tensor
 
-        skeleton, tensors = messages.pack((args, kwargs), resolve)
+        skeleton, tensors = messages.pack((args, kwargs), resolve, self.module_ids)
         refs = [(i, t) for i, t in enumerate(tensors) if isinstance(t, messages.Ref)]
         real = [t for t in tensors if not isinstance(t, messages.Ref)]
         grad = torch.is_grad_enabled()
         sent = [t for t in real if t.requires_grad] if grad else []
         path = self.paths[index] or "<root>"
         call = _Call(call_id, owner, worker, grad, sent, [segments.edge_of(t) for t in sent], path)
+        call.originals = originals
         worker.calls.append(call)
         prediction = None
         if self.async_calls:
@@ -570,10 +590,15 @@ class PipelineRuntime:
         if prediction is None:  # synchronous: wait for the outputs
             call.used = True  # handed to the caller's code as they are
             worker.wait_for(call)
-            return messages.fill(call.structure, call.values)
-        call.predicted, predicted = prediction
-        n = len(messages.slots_of(predicted))
-        return messages.fill(predicted, [_Future(call, i) for i in range(n)])
+            reply = messages.fill(call.structure, call.values, self.modules, originals)
+        else:
+            call.predicted, predicted = prediction
+            futures = [_Future(call, i) for i in range(len(predicted.flags))]
+            reply = messages.fill(predicted, futures, self.modules, originals)
+        result, changed = reply
+        for where, value in changed:  # arguments the module changed, as the owner left them
+            messages.assign(args[where] if isinstance(where, int) else kwargs[where], value)
+        return result
 
     def _await_values(self, call: _Call) -> None:
         """In ``call``'s worker: suspends until its outputs are here, fetching them from the
@@ -613,14 +638,15 @@ class PipelineRuntime:
             raise CallStructureChanged(
                 f"smp: module '{call.path}' (pipeline stage {call.owner}) returned "
                 f"{messages.describe(cleared)}, but its earlier calls with the same arguments "
-                f"returned {messages.describe(pickle.loads(call.predicted))}, and the step "
+                f"returned {messages.describe(messages.Skeleton(call.predicted, ()))}, and the "
+                "step "
                 "function had continued with that (asynchronous pipeline calls, design.md §4c). "
                 "The module's calls wait for their outputs from now on; "
                 '"pipeline_async_calls": False makes every call wait.'
             )
         if call.key is not None and call.key not in self.unstable:
             self.predictions[call.key] = (key, cleared)
-        call.structure = pickle.loads(skeleton.numpy().tobytes())
+        call.structure = cleared
         if call.push:
             self._take_outputs(call, skeleton, tensors)
         self._replied(worker, call)
@@ -880,7 +906,13 @@ class PipelineRuntime:
     def _reply(self, worker: _Worker) -> None:
         """REPLY of a served call: its forward and every call it made have finished."""
         caller, call_id = worker.served
-        skeleton, tensors = messages.pack(worker.result)
+        sent = worker.sent_ids
+
+        def resolve(tensor):  # a request tensor handed back travels as its slot number
+            index = sent.get(id(tensor))
+            return tensor if index is None else messages.Sent(index)
+
+        skeleton, tensors = messages.pack(worker.result, resolve if sent else None, self.module_ids)
         worker.out_tensors, worker.skeleton = tensors, skeleton
         worker.replied = True
         reply = [REPLY, worker.microbatch, call_id]
@@ -1038,8 +1070,8 @@ class PipelineRuntime:
                     worker.boundary[id(value)] = value
                     worker.ref_leaves.append((producer, out_slot, value))
                 values[i] = value
-            args, kwargs = messages.fill(pickle.loads(skeleton.numpy().tobytes()), values)
-            return _resolve_results(module(*args, **kwargs))
+            args, kwargs = messages.fill(messages.Skeleton.of(skeleton), values, self.modules)
+            return _resolve_results(_call_and_note_changes(module, args, kwargs, values, worker))
 
         worker.target = target
         for waiting in self.early_fetches.pop((peer, call_id), []):

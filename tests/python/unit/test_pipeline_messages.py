@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 
 import pytest
 import torch
 
-from smp.pipeline.messages import pack, slots, unpack
+from smp.pipeline.messages import (
+    Sent,
+    assign,
+    describe,
+    fingerprint,
+    map_tensors,
+    pack,
+    slots,
+    structure,
+    unpack,
+)
 
 
 @dataclasses.dataclass
@@ -52,6 +63,102 @@ def test_round_trip_of_nested_values():
     assert back[4] is tensors[7]
 
 
-def test_unsupported_values_are_named():
-    with pytest.raises(TypeError, match="object cannot cross pipeline stages"):
-        pack({"bad": object()})
+def test_values_pickle_cannot_carry_are_named():
+    with pytest.raises(TypeError, match="type dict cannot cross pipeline stages: .*lock"):
+        pack({"bad": threading.Lock()})
+    with pytest.raises(TypeError, match="module of type Linear that is not part of the"):
+        pack((torch.nn.Linear(2, 2),))
+
+
+class Cache:
+    """An object of a class the packer knows nothing about, holding tensors in lists, like a
+    Hugging Face ``DynamicCache``."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.seen = 0
+
+    def update(self, k: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.seen += k.size(1)
+        return torch.cat(self.keys, 1)
+
+
+def test_objects_travel_with_their_tensors_taken_out():
+    cache = Cache()
+    cache.update(torch.randn(2, 3, requires_grad=True))
+    cache.update(torch.ones(2, 1))
+    layer = torch.nn.Linear(2, 2)
+    skeleton, tensors = pack({"cache": cache, "layer": layer}, modules={id(layer): "h.0"})
+    assert len(tensors) == 2 and tensors[0] is cache.keys[0]
+    assert [s.requires_grad for s in slots(skeleton)] == [True, False]
+    other = torch.nn.Linear(2, 2)  # the receiver's own instance of module "h.0"
+    back = unpack(skeleton, tensors, modules={"h.0": other})
+    assert back["layer"] is other and isinstance(back["cache"], Cache)
+    assert back["cache"] is not cache and back["cache"].seen == 4
+    assert back["cache"].keys[1] is tensors[1]
+    # The structure ignores requires_grad and tensor contents, not the object's other state.
+    same, _ = structure(pack({"cache": cache, "layer": layer}, modules={id(layer): "h.0"})[0])
+    assert same == structure(skeleton)[0]
+    cache.seen += 1
+    changed, _ = structure(pack({"cache": cache, "layer": layer}, modules={id(layer): "h.0"})[0])
+    assert changed != structure(skeleton)[0]
+    assert "Cache(keys=list(Tensor, Tensor), seen=5)" in describe(structure(pack(cache)[0])[1])
+
+
+def test_hugging_face_caches_round_trip():
+    transformers = pytest.importorskip("transformers")
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    config = transformers.GPT2Config(n_embd=8, n_layer=2, n_head=2, vocab_size=16)
+    cache = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+    k = torch.randn(1, 2, 3, 4)
+    cache.self_attention_cache.update(k, k + 1, 0)
+    skeleton, tensors = pack(cache)
+    back = unpack(skeleton, tensors)
+    assert type(back) is EncoderDecoderCache and back.get_seq_length() == 3
+    torch.testing.assert_close(back.self_attention_cache.layers[0].values, k + 1)
+
+
+def test_reply_refers_to_request_tensors_it_hands_back():
+    x, y = torch.randn(2), torch.randn(3)
+    sent = {id(x): 0}
+    skeleton, tensors = pack((x, y), resolve=lambda t: Sent(sent[id(t)]) if id(t) in sent else t)
+    assert len(tensors) == 1 and tensors[0] is y
+    mine = torch.randn(2)  # the caller's own tensor at request slot 0
+    back = unpack(skeleton, tensors, sent=[mine])
+    assert back[0] is mine and back[1] is y
+
+
+def test_fingerprint_sees_replaced_tensors_and_attributes_only():
+    cache = Cache()
+    cache.update(torch.zeros(1, 2))
+    before = fingerprint(cache)
+    cache.keys[0].add_(1)  # data changed in place: not a change of the object's state
+    assert fingerprint(cache) == before
+    cache.update(torch.zeros(1, 1))
+    assert fingerprint(cache) != before
+    assert fingerprint(torch.zeros(1)) is None and fingerprint(3) is None
+
+
+def test_assign_makes_the_callers_object_hold_the_new_state():
+    mine, theirs = Cache(), Cache()
+    theirs.update(torch.ones(1, 2))
+    keep = mine
+    assign(mine, theirs)
+    assert keep.keys == theirs.keys and keep.seen == 2
+    items, new = [1], [1, 2]
+    assign(items, new)
+    assert items == [1, 2]
+    with pytest.raises(TypeError, match="changed an argument of type list into dict"):
+        assign([1], {"a": 1})
+
+
+def test_map_tensors_reaches_tensors_inside_objects():
+    cache = Cache()
+    cache.update(torch.ones(1, 2))
+    doubled = map_tensors({"c": cache, "n": 3}, lambda t: t * 2)
+    assert doubled["n"] == 3 and doubled["c"] is not cache
+    torch.testing.assert_close(doubled["c"].keys[0], torch.full((1, 2), 2.0))
+    plain = {"n": 3}
+    assert map_tensors(Cache(), lambda t: t).seen == 0 and map_tensors(plain, abs) == plain
