@@ -1,8 +1,9 @@
-"""Partition quality and speed.
+"""Partition quality, crossings and speed.
 
 Quality: GPT-2-, BERT- and Llama-shaped models (12–96 layers, built on the meta device: no
-weights are allocated) are traced and partitioned by smp for p ∈ {2, 4, 8}. For each case the
-benchmark prints the maximum stage cost of
+weights are allocated) are traced and partitioned by smp for p ∈ {2, 4, 8} with crossings not
+priced (the guarantee on compute balance). For each case the benchmark prints the maximum stage
+cost of
 
   - smp's plan,
   - equal parameter counts per stage (cut where the cumulative parameter share crosses k/p),
@@ -11,14 +12,23 @@ benchmark prints the maximum stage cost of
 each divided by the optimum: the exact min-max contiguous partition of the same node sequence
 (execution order) under the same costs, computed by dynamic programming. Target: smp ≤ 1.05.
 
+Crossings: unmodified Hugging Face GPT-2, Llama and BERT (built from configs, on the meta device
+or small on the CPU: nothing is downloaded) are partitioned for p ∈ {2, 4} with crossings free
+(the plan before they were priced) and priced (smp's default, smp.partitioning.CrossingCosts);
+the meta-device shapes also at an assumed accelerator rate of 100 TFLOP/s.
+For each plan: the decoder/encoder layers cut inside, where the layer-level cuts fall, the
+crossings per pair of stages per microbatch (calls, forward and backward bytes), the imbalance
+(max/mean stage cost) and the largest stage load (cost + crossings).
+
 Speed: runs the C++ benchmark (build/smp_partition_bench) on random trees of 1k–100k nodes.
 
-    .venv/bin/python benchmarks/partition.py [--json out.json]
+    .venv/bin/python benchmarks/partition.py [--json out.json] [--skip-quality]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import subprocess
@@ -32,6 +42,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import smp  # noqa: E402
 from smp import _C  # noqa: E402
+from smp.partitioning import (  # noqa: E402
+    CrossingCosts,
+    _build_nodes,
+    _core_calls,
+    _seconds_per_compute,
+    build_plan,
+    trace_modules,
+)
+
+FREE = CrossingCosts(priced=False)
 
 # ---- model shapes ---------------------------------------------------------------------------
 
@@ -161,7 +181,7 @@ def quality(layer_counts, stage_counts) -> list[dict]:
                 model = LM(kind, layers, **shape)
             ids = torch.zeros(1, 128, dtype=torch.long, device="meta")
             for p in stage_counts:
-                plan = smp.plan_partition(model, ids, p)
+                plan = smp.plan_partition(model, ids, p, crossing_costs=FREE)
                 costs = plan.node_costs
                 optimum = _max_stage_cost(costs, _C.optimal_contiguous_partition(costs, p), p)
                 row = dict(
@@ -182,6 +202,163 @@ def quality(layer_counts, stage_counts) -> list[dict]:
     return rows
 
 
+# ---- crossings on Hugging Face models ---------------------------------------------------------
+
+
+def _hf_models() -> dict:
+    """name -> (build, layer prefix, device). The CPU models are small enough to run here (the
+    first is the issue's Llama: 8 layers, hidden 256); the meta ones have the published shapes."""
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    def llama(layers, hidden, inter, heads, vocab):
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=inter,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=heads,
+            )
+        )
+
+    def gpt2(**kw):
+        return GPT2LMHeadModel(GPT2Config(**kw))
+
+    def bert(**kw):
+        return BertForMaskedLM(BertConfig(**kw))
+
+    small = dict(bos_token_id=0, eos_token_id=0, vocab_size=1000)
+    return {
+        "llama 8x256 (cpu)": (lambda: llama(8, 256, 688, 8, 1000), "model.layers", "cpu"),
+        "gpt2 8x256 (cpu)": (
+            lambda: gpt2(n_layer=8, n_embd=256, n_head=8, **small),
+            "transformer.h",
+            "cpu",
+        ),
+        "bert 8x256 (cpu)": (
+            lambda: bert(
+                num_hidden_layers=8,
+                hidden_size=256,
+                num_attention_heads=8,
+                intermediate_size=1024,
+                vocab_size=1000,
+            ),
+            "bert.encoder.layer",
+            "cpu",
+        ),
+        "gpt2 12x768 (meta)": (lambda: gpt2(), "transformer.h", "meta"),
+        "llama 16x2048 (meta)": (lambda: llama(16, 2048, 5504, 16, 32000), "model.layers", "meta"),
+        "bert 12x768 (meta)": (lambda: bert(), "bert.encoder.layer", "meta"),
+    }
+
+
+def _layer_cuts(plan, prefix: str) -> tuple[list[int], list[int]]:
+    """Layers whose modules span several stages, and each layer's stage (its own module's)."""
+    layers: dict[int, set[int]] = {}
+    for path, stage in plan.assignment.items():
+        if path.startswith(prefix + "."):
+            index = path[len(prefix) + 1 :].split(".")[0]
+            if index.isdigit():
+                layers.setdefault(int(index), set()).add(stage)
+    split = [i for i, stages in sorted(layers.items()) if len(stages) > 1]
+    return split, [plan.assignment[f"{prefix}.{i}"] for i in sorted(layers)]
+
+
+def _boundaries(stages: list[int]) -> str:
+    """Layer stages [0, 0, 1, 1] -> "0-1 | 2-3"."""
+    runs, start = [], 0
+    for i in range(1, len(stages) + 1):
+        if i == len(stages) or stages[i] != stages[start]:
+            runs.append(f"{start}-{i - 1}" if i - 1 > start else f"{start}")
+            start = i
+    return " | ".join(runs)
+
+
+def _priced_load(model, traces, plan, costs: CrossingCosts, memory_weight: float) -> float:
+    """The largest stage load of ``plan`` with crossings priced by ``costs``: the core evaluates
+    the plan with every node pinned where it is."""
+    nodes, node_of_path = _build_nodes(model, traces, False, None)
+    core_nodes = [
+        _C.PartitionNode(
+            name=n.name,
+            parent=n.parent,
+            compute=n.compute,
+            param_bytes=n.param_bytes,
+            activation_bytes=n.activation_bytes,
+            pin=stage,
+            chain=n.chain,
+        )
+        for n, stage in zip(nodes, plan.node_stages)
+    ]
+    options = _C.PartitionOptions(
+        num_stages=plan.num_stages,
+        memory_weight=memory_weight,
+        seconds_per_compute=_seconds_per_compute(model, costs, True, False),
+        crossing_latency=costs.latency_s,
+        bandwidth=costs.bandwidth,
+    )
+    return _C.partition(core_nodes, options, _core_calls(traces, node_of_path)).max_stage_load
+
+
+def crossings(stage_counts, batch: int = 4, seq: int = 128) -> list[dict]:
+    memory_weight = 0.2  # smp's default (optimize="speed")
+    variants = {"free": FREE, "priced": CrossingCosts()}
+    rows = []
+    for name, (build, prefix, device) in _hf_models().items():
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = build()
+        ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        traces = trace_modules(model, lambda model=model, ids=ids: model(ids))
+        models = {name: variants}
+        if device == "meta":  # the same shapes planned for an accelerator (assumed rate)
+            models[name.replace("(meta)", "(meta, 100 TFLOP/s)")] = {
+                "free": CrossingCosts(priced=False, flops_per_second=1e14),
+                "priced": CrossingCosts(flops_per_second=1e14),
+            }
+        for label, costs_by_variant in models.items():
+            for p in stage_counts:
+                print(f"{label}  p={p}", flush=True)
+                for variant, costs in costs_by_variant.items():
+                    plan = build_plan(model, p, traces, memory_weight, crossing_costs=costs)
+                    priced = dataclasses.replace(costs, priced=True)
+                    load = _priced_load(model, traces, plan, priced, memory_weight)
+                    split, stages = _layer_cuts(plan, prefix)
+                    row = dict(
+                        model=label,
+                        stages=p,
+                        crossings=variant,
+                        layers_cut=split,
+                        layer_stages=stages,
+                        imbalance=plan.imbalance,
+                        max_stage_load=load,
+                        links=[dataclasses.asdict(link) for link in plan.links],
+                    )
+                    rows.append(row)
+                    links = "; ".join(
+                        f"{a}-{b}: {link.calls:g} calls, {link.forward_bytes / 2**20:.1f} + "
+                        f"{link.backward_bytes / 2**20:.1f} MiB"
+                        for link in plan.links
+                        for a, b in [link.stages]
+                    )
+                    print(
+                        f"  crossings {variant:>6}: layers cut inside {len(split)}"
+                        f"{' ' + str(split) if split else ''}, layers per stage "
+                        f"{_boundaries(stages)}, imbalance {plan.imbalance:.3f}, largest load "
+                        f"{load:.3f}\n{'':>20}{links}",
+                        flush=True,
+                    )
+    return rows
+
+
 def speed() -> str:
     for candidate in (
         ROOT / "build" / "smp_partition_bench",
@@ -198,17 +375,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48, 96])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--crossing-stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--skip-quality", action="store_true")
     args = parser.parse_args()
-    print("max stage cost / optimum of the exact contiguous partition (1.000 is optimal)")
-    rows = quality(args.layers, args.stages)
-    worst = max(r["smp"] for r in rows)
-    print(f"worst smp ratio: {worst:.3f} (target <= 1.05)")
+    rows = []
+    if not args.skip_quality:
+        print(
+            "max stage cost / optimum of the exact contiguous partition (1.000 is optimal), "
+            "crossings free"
+        )
+        rows = quality(args.layers, args.stages)
+        worst = max(r["smp"] for r in rows)
+        print(f"worst smp ratio: {worst:.3f} (target <= 1.05)\n")
+    print(
+        "Hugging Face models, microbatch 4 x 128 tokens: crossings free (the plan before) and "
+        "priced (smp's default). Per microbatch and pair of stages: calls, forward + backward "
+        "MiB (a call is a round trip in forward and another in backward). Largest load: stage "
+        "cost + crossings, priced, for both plans."
+    )
+    cross = crossings(args.crossing_stages)
     print("\nC++ partitioning time on random trees:")
     timing = speed()
     print(timing)
     if args.json:
-        args.json.write_text(json.dumps({"quality": rows, "timing": timing}, indent=2))
+        args.json.write_text(
+            json.dumps({"quality": rows, "crossings": cross, "timing": timing}, indent=2)
+        )
 
 
 if __name__ == "__main__":

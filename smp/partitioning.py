@@ -5,7 +5,9 @@ module gathers what the core needs from a real ``nn.Module``:
 
 1. **Tracing** runs the model's forward once with gradients off and records, for every module, its
    first-call order, call count, output bytes and own compute — FLOPs attributed to the innermost
-   running module (deterministic), or measured time with ``trace_execution_times``. RNG streams and
+   running module (deterministic), or measured time with ``trace_execution_times`` — and, per
+   caller (the module whose forward makes the call), the calls and the bytes of their arguments
+   and outputs: what would cross if caller and callee ran on different stages. RNG streams and
    buffers are restored afterwards, so training sees the same state as without tracing.
 2. **Nodes**: modules sharing a parameter (transitively) become one node, attached at the lowest
    common ancestor of its members; a subtree that was never called is folded into its parent (it is
@@ -42,6 +44,9 @@ __all__ = [
     "plan_partition",
     "PartitionPlan",
     "ModuleTrace",
+    "CallTrace",
+    "CrossingCosts",
+    "StageLink",
     "trace_modules",
     "build_plan",
 ]
@@ -105,6 +110,20 @@ def _pin_of(module: nn.Module) -> int | None:
 
 
 @dataclasses.dataclass
+class CallTrace:
+    """The calls one caller made to a module during the traced forward (sums over the calls).
+
+    A floating-point tensor is taken to carry a gradient back in backward (an upper bound: masks
+    and rotary tables, for instance, take none)."""
+
+    calls: int = 0
+    input_bytes: int = 0  # tensors among the arguments (positional and keyword)
+    output_bytes: int = 0
+    input_grad_bytes: int = 0  # the floating-point ones: gradients that come back in backward
+    output_grad_bytes: int = 0
+
+
+@dataclasses.dataclass
 class ModuleTrace:
     """What tracing recorded for one module (own = exclusive of submodules)."""
 
@@ -113,17 +132,25 @@ class ModuleTrace:
     output_bytes: int = 0  # summed over calls
     flops: float = 0.0  # own FLOPs (elementwise ops count one per output element)
     seconds: float = 0.0  # own wall time (only with execution times)
+    input_bytes: int = 0  # tensors among the arguments, summed over calls
+    # Per caller: the path of the module whose forward made the calls, None for code outside
+    # the model (the step function).
+    callers: dict[str | None, CallTrace] = dataclasses.field(default_factory=dict)
 
 
-def _tensor_bytes(value: Any) -> int:
+def _tensor_bytes(value: Any, floating_only: bool = False) -> int:
     if isinstance(value, torch.Tensor):
+        if floating_only and not (value.is_floating_point() or value.is_complex()):
+            return 0
         return value.numel() * value.element_size()
     if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
+        return sum(_tensor_bytes(v, floating_only) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
+        return sum(_tensor_bytes(v, floating_only) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return sum(_tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+        return sum(
+            _tensor_bytes(getattr(value, f.name), floating_only) for f in dataclasses.fields(value)
+        )
     return 0
 
 
@@ -166,33 +193,43 @@ class _Tracer:
         self.records = {id(m): ModuleTrace() for _, m in module.named_modules()}
         self.root_id = id(module)
         self.measure_time = measure_time
-        self.stack: list[tuple[int, float]] = []  # (module id, start time)
+        self.stack: list[tuple[int, float, CallTrace]] = []  # (module id, start time, its call)
         self.child_seconds: list[float] = []
         self.order = 0
         self.handles = []
         for _, m in module.named_modules():
-            self.handles.append(m.register_forward_pre_hook(self._pre))
-            self.handles.append(m.register_forward_hook(self._post))
+            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
 
     def add_flops(self, flops: float) -> None:
         key = self.stack[-1][0] if self.stack else self.root_id
         self.records[key].flops += flops
 
-    def _pre(self, module, args):
+    def _pre(self, module, args, kwargs):
         record = self.records[id(module)]
         if record.first_call is None:
             record.first_call = self.order
             self.order += 1
         record.calls += 1
-        self.stack.append((id(module), time.perf_counter()))
+        caller = self.names[self.stack[-1][0]] if self.stack else None
+        call = record.callers.setdefault(caller, CallTrace())
+        call.calls += 1
+        inputs = (args, kwargs)
+        call.input_bytes += _tensor_bytes(inputs)
+        call.input_grad_bytes += _tensor_bytes(inputs, floating_only=True)
+        record.input_bytes += _tensor_bytes(inputs)
+        self.stack.append((id(module), time.perf_counter(), call))
         self.child_seconds.append(0.0)
 
-    def _post(self, module, args, output):
-        key, start = self.stack.pop()
+    def _post(self, module, args, kwargs, output):
+        key, start, call = self.stack.pop()
         elapsed = time.perf_counter() - start
         children = self.child_seconds.pop()
         record = self.records[key]
-        record.output_bytes += _tensor_bytes(output)
+        output_bytes = _tensor_bytes(output)
+        record.output_bytes += output_bytes
+        call.output_bytes += output_bytes
+        call.output_grad_bytes += _tensor_bytes(output, floating_only=True)
         record.seconds += max(0.0, elapsed - children)
         if self.child_seconds:
             self.child_seconds[-1] += elapsed
@@ -485,7 +522,116 @@ def _build_nodes(
     return nodes, node_of_path
 
 
+def _core_calls(
+    traces: dict[str, ModuleTrace] | None, node_of_path: dict[str, int]
+) -> list[_C.PartitionCall]:
+    """The core's calls between nodes (caller -1: the step function), from the traced callers;
+    calls inside one node drop out."""
+    if traces is None:
+        return []
+    edges: dict[tuple[int, int], list[float]] = {}
+    for path, record in traces.items():
+        callee = node_of_path[path]
+        for caller_path, call in record.callers.items():
+            caller = -1 if caller_path is None else node_of_path[caller_path]
+            if caller == callee:
+                continue
+            sums = edges.setdefault((caller, callee), [0.0, 0.0, 0.0])
+            sums[0] += call.calls
+            sums[1] += call.input_bytes + call.output_bytes
+            sums[2] += call.input_grad_bytes + call.output_grad_bytes
+    return [
+        _C.PartitionCall(
+            caller=caller,
+            callee=callee,
+            calls=calls,
+            forward_bytes=forward_bytes,
+            backward_bytes=backward_bytes,
+        )
+        for (caller, callee), (calls, forward_bytes, backward_bytes) in sorted(edges.items())
+    ]
+
+
+# ---- crossings ----------------------------------------------------------------------------------
+
+# Forward FLOP rates that turn traced FLOPs into seconds, to weigh crossings against compute.
+# CPU: measured on the development machine with one thread (unmodified HF Llama, hidden 256-1024,
+# 4 x 64-128 tokens: 69-74 GFLOP/s); a stage with more threads computes faster, so its crossings
+# weigh more than priced here (pass CrossingCosts(flops_per_second=...) to say so).
+# Accelerators: assumed, not measured (no GPU on the development machine): 100 TFLOP/s.
+_CPU_FLOPS_PER_SECOND = 7e10
+_ACCELERATOR_FLOPS_PER_SECOND = 1e14
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossingCosts:
+    """What a call between stages costs, for the partitioner (design.md §3).
+
+    A call to a module on another stage is a crossing: a round trip in forward (arguments out,
+    outputs back) and another in backward (their gradients). The latency and bandwidth are
+    measured on the development machine (benchmarks/README.md, design.md §3): a synchronous
+    cross-stage call of smp's runtime over gloo took 946-1013 us, and gloo moved 16-64 MiB
+    tensors between two processes at 1.6-2.8 GB/s.
+
+    Attributes:
+        latency_s: seconds per round trip.
+        bandwidth: bytes per second between two stages.
+        flops_per_second: turns traced FLOPs into seconds; None: 70 GFLOP/s for a model on the
+            CPU, 100 TFLOP/s on an accelerator (a model on the meta device counts as on the
+            accelerator when CUDA is available). Unused with measured times.
+        balance_tolerance: how far above the best whole-module balance a plan's largest stage
+            cost may go to save crossings.
+        priced: False reports crossings without letting them steer the plan.
+    """
+
+    latency_s: float = 1e-3
+    bandwidth: float = 2e9
+    flops_per_second: float | None = None
+    balance_tolerance: float = 0.1
+    priced: bool = True
+
+
+def _seconds_per_compute(
+    module: nn.Module, costs: CrossingCosts, traced: bool, use_time: bool
+) -> float:
+    if not costs.priced or not traced:
+        return 0.0
+    if use_time:
+        return 1.0
+    rate = costs.flops_per_second
+    if rate is None:
+        tensor = next(iter(module.parameters()), None)
+        if tensor is None:
+            tensor = next(iter(module.buffers()), None)
+        device = "cpu" if tensor is None else tensor.device.type
+        if device == "meta":  # not placed yet: it will run on the accelerator if there is one
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        rate = _CPU_FLOPS_PER_SECOND if device == "cpu" else _ACCELERATOR_FLOPS_PER_SECOND
+    if not rate > 0:
+        raise ValueError(f"CrossingCosts.flops_per_second must be > 0, got {rate!r}")
+    return 1.0 / rate
+
+
 # ---- the plan -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLink:
+    """The crossings of a plan between two stages, per microbatch.
+
+    Attributes:
+        stages: (first, second), first < second.
+        calls: crossing calls; each is a round trip in forward and another in backward.
+        forward_bytes: arguments out and outputs back, in forward.
+        backward_bytes: their gradients, in backward.
+        seconds: estimated time of these crossings, forward + backward.
+    """
+
+    stages: tuple[int, int]
+    calls: float
+    forward_bytes: float
+    backward_bytes: float
+    seconds: float
 
 
 class PartitionPlan:
@@ -497,9 +643,22 @@ class PartitionPlan:
         stage_cost: normalised cost per stage (sums to 1).
         stage_param_bytes, stage_activation_bytes, stage_compute: per-stage sums.
         imbalance: max / mean of stage_cost (1.0 is perfect balance).
+        stage_crossing_cost: per stage, the cost of the crossings it takes part in, on the scale
+            of stage_cost (0 when crossings are unpriced).
+        max_stage_load: the largest stage_cost + stage_crossing_cost, which the plan minimises.
+        links: a :class:`StageLink` per pair of stages with crossings between them.
+        crossings_priced: whether crossings steered the plan (see :class:`CrossingCosts`).
     """
 
-    def __init__(self, module: nn.Module, nodes: list[_Node], node_of_path, core_plan, cost_unit):
+    def __init__(
+        self,
+        module: nn.Module,
+        nodes: list[_Node],
+        node_of_path,
+        core_plan,
+        cost_unit,
+        crossings_priced: bool = False,
+    ):
         self.num_stages = len(core_plan.stage_cost)
         self.assignment = {path: core_plan.stage[i] for path, i in node_of_path.items()}
         self.stage_cost = list(core_plan.stage_cost)
@@ -507,6 +666,19 @@ class PartitionPlan:
         self.stage_activation_bytes = list(core_plan.stage_activation_bytes)
         self.stage_compute = list(core_plan.stage_compute)
         self.imbalance = float(core_plan.imbalance)
+        self.stage_crossing_cost = list(core_plan.stage_crossing_cost)
+        self.max_stage_load = float(core_plan.max_stage_load)
+        self.links = [
+            StageLink(
+                stages=(link.first_stage, link.second_stage),
+                calls=link.calls,
+                forward_bytes=link.forward_bytes,
+                backward_bytes=link.backward_bytes,
+                seconds=link.seconds,
+            )
+            for link in core_plan.links
+        ]
+        self.crossings_priced = crossings_priced
         self.cost_unit = cost_unit
         # The core's nodes in execution (pre-)order, for analysis and benchmarks.
         self.node_names = [n.name for n in nodes]
@@ -558,21 +730,38 @@ class PartitionPlan:
         return {path: self.node_costs[node] for path, node in self._node_of_path.items()}
 
     def report(self) -> str:
-        """A table per stage: modules, parameter bytes, activation bytes, compute share."""
+        """A table per stage (cost, crossing cost, compute share, parameter and activation bytes,
+        modules), then the crossings per pair of stages, per microbatch."""
         total_compute = sum(self.stage_compute) or 1.0
+        load = "priced" if self.crossings_priced else "not priced"
         lines = [
             f"smp partition: {self.num_stages} stages, imbalance {self.imbalance:.3f} "
-            "(max/mean cost)",
-            f"{'stage':>5}  {'cost':>6}  {'compute':>7}  {'params':>10}  {'activations':>11}  "
-            "modules",
+            f"(max/mean cost), largest stage load {self.max_stage_load:.3f} "
+            f"(cost + crossings, {load})",
+            f"{'stage':>5}  {'cost':>6}  {'cross':>6}  {'compute':>7}  {'params':>10}  "
+            f"{'activations':>11}  modules",
         ]
         for s in range(self.num_stages):
             modules = ", ".join(self.stage_modules(s)) or "-"
             lines.append(
-                f"{s:>5}  {self.stage_cost[s]:>6.3f}  "
+                f"{s:>5}  {self.stage_cost[s]:>6.3f}  {self.stage_crossing_cost[s]:>6.3f}  "
                 f"{self.stage_compute[s] / total_compute:>6.1%}  "
                 f"{_human_bytes(self.stage_param_bytes[s]):>10}  "
                 f"{_human_bytes(self.stage_activation_bytes[s]):>11}  {modules}"
+            )
+        if not self.links:
+            lines.append("crossings per microbatch: none")
+            return "\n".join(lines)
+        lines.append(
+            "crossings per microbatch (calls to a module on another stage; each is a round trip "
+            "in forward and another in backward):"
+        )
+        for link in self.links:
+            first, second = link.stages
+            lines.append(
+                f"  stages {first}-{second}: {link.calls:g} calls, forward "
+                f"{_human_bytes(link.forward_bytes)}, backward "
+                f"{_human_bytes(link.backward_bytes)}, ~{link.seconds * 1e3:.2f} ms"
             )
         return "\n".join(lines)
 
@@ -627,8 +816,13 @@ def build_plan(
     auto_partition: bool = True,
     default_partition: int = 0,
     use_time: bool = False,
+    *,
+    crossing_costs: CrossingCosts | None = None,
 ) -> PartitionPlan:
     """Turns traces (or None for skip_tracing) into a plan with the core's partitioner.
+
+    ``crossing_costs`` prices calls between stages (default: :class:`CrossingCosts`()); without
+    traces there are no calls to price.
 
     Raises:
         ValueError: a pin outside [0, num_stages), or fewer placeable modules than stages.
@@ -655,10 +849,21 @@ def build_plan(
         )
         for n in nodes
     ]
-    options = _C.PartitionOptions(num_stages=num_stages, memory_weight=memory_weight)
-    core_plan = _C.partition(core_nodes, options)
+    costs = crossing_costs or CrossingCosts()
+    seconds_per_compute = _seconds_per_compute(module, costs, traces is not None, use_time)
+    options = _C.PartitionOptions(
+        num_stages=num_stages,
+        memory_weight=memory_weight,
+        seconds_per_compute=seconds_per_compute,
+        crossing_latency=costs.latency_s,
+        bandwidth=costs.bandwidth,
+        balance_tolerance=costs.balance_tolerance,
+    )
+    core_plan = _C.partition(core_nodes, options, _core_calls(traces, node_of_path))
     unit = "module count" if traces is None else ("seconds" if use_time else "FLOPs")
-    return PartitionPlan(module, nodes, node_of_path, core_plan, unit)
+    return PartitionPlan(
+        module, nodes, node_of_path, core_plan, unit, crossings_priced=seconds_per_compute > 0
+    )
 
 
 def plan_partition(
@@ -667,6 +872,7 @@ def plan_partition(
     pipeline_parallel_degree: int = 2,
     *,
     trace_execution_times: bool = False,
+    crossing_costs: CrossingCosts | None = None,
     **config: Any,
 ) -> PartitionPlan:
     """Computes the partition smp would use, in this process, without launching anything.
@@ -677,6 +883,8 @@ def plan_partition(
             keyword arguments.
         pipeline_parallel_degree: the number of stages to plan for.
         trace_execution_times: use measured times instead of FLOPs for compute.
+        crossing_costs: what a call between stages costs (:class:`CrossingCosts`; the default
+            is what smp uses).
         **config: other smp config keys that shape the plan: memory_weight, optimize,
             auto_partition, default_partition, skip_tracing.
 
@@ -705,4 +913,5 @@ def plan_partition(
         cfg.auto_partition,
         cfg.default_partition,
         use_time=trace_execution_times,
+        crossing_costs=crossing_costs,
     )

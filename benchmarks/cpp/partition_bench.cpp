@@ -6,6 +6,11 @@
 // the plan's imbalance (max / mean stage cost) and its max stage cost relative to the exact optimum
 // over contiguous cuts of the pre-order (optimal_contiguous_partition of the fully expanded tree).
 //
+// A second table times the same trees with priced crossings: every node is called once by its
+// parent (the step function calls the root) with 64 KiB crossing each way, the whole forward
+// takes one second, a round trip 1 ms and bandwidth is 2 GB/s; it prints the plan's largest stage
+// load relative to that of the plan which ignores the crossings.
+//
 // Usage: smp_partition_bench   (no arguments; exits 0)
 #include <algorithm>
 #include <chrono>
@@ -68,6 +73,29 @@ std::vector<double> preorder_costs(const std::vector<smp::PartitionNode>& nodes,
   return out;
 }
 
+// Largest stage load of `stage` under the crossing cost model (smp/partition.h).
+double stage_load(const std::vector<smp::PartitionNode>& nodes,
+                  const std::vector<smp::PartitionCall>& calls,
+                  const smp::PartitionOptions& options, const std::vector<double>& cost,
+                  const std::vector<int>& stage) {
+  double total_compute = 0;
+  for (const smp::PartitionNode& x : nodes) total_compute += x.compute;
+  std::vector<double> load(options.num_stages, 0.0);
+  for (std::size_t v = 0; v < nodes.size(); ++v) load[stage[v]] += cost[v];
+  for (const smp::PartitionCall& c : calls) {
+    const int a = c.caller == -1 ? 0 : stage[c.caller];
+    const int b = stage[c.callee];
+    if (a == b) continue;
+    const double seconds = 2 * options.crossing_latency * c.calls +
+                           (c.forward_bytes + c.backward_bytes) / options.bandwidth;
+    const double kappa =
+        (1 - options.memory_weight) * seconds / (3 * total_compute * options.seconds_per_compute);
+    load[a] += kappa;
+    load[b] += kappa;
+  }
+  return *std::max_element(load.begin(), load.end());
+}
+
 }  // namespace
 
 int main() {
@@ -93,6 +121,42 @@ int main() {
       const double optimum = *std::max_element(sums.begin(), sums.end());
       std::printf("%8d  %6d  %9.2f  %9.4f  %12.4f\n", num_nodes, num_stages, best_ms,
                   plan.imbalance, plan.max_stage_cost / optimum);
+    }
+  }
+  std::printf("\nwith priced crossings (every node called by its parent):\n");
+  std::printf("%8s  %6s  %9s  %9s  %14s\n", "nodes", "stages", "ms", "imbalance", "vs_blind_load");
+  for (int num_nodes : {1000, 10000, 100000}) {
+    const std::vector<smp::PartitionNode> nodes = random_tree(num_nodes, 1234 + num_nodes);
+    std::vector<smp::PartitionCall> calls;
+    for (int v = 0; v < num_nodes; ++v) {
+      smp::PartitionCall call;
+      call.caller = v == 0 ? -1 : nodes[v].parent;
+      call.callee = v;
+      call.calls = 1;
+      call.forward_bytes = call.backward_bytes = 2 * 65536;
+      calls.push_back(call);
+    }
+    for (int num_stages : {2, 4, 8}) {
+      smp::PartitionOptions options;
+      options.num_stages = num_stages;
+      double total_compute = 0;
+      for (const smp::PartitionNode& x : nodes) total_compute += x.compute;
+      options.seconds_per_compute = 1 / total_compute;  // the forward takes one second
+      double best_ms = std::numeric_limits<double>::infinity();
+      smp::PartitionPlan plan;
+      for (int rep = 0; rep < 3; ++rep) {
+        const auto start = std::chrono::steady_clock::now();
+        plan = smp::partition(nodes, options, calls);
+        const auto stop = std::chrono::steady_clock::now();
+        best_ms =
+            std::min(best_ms, std::chrono::duration<double, std::milli>(stop - start).count());
+      }
+      smp::PartitionOptions blind_options;
+      blind_options.num_stages = num_stages;
+      const smp::PartitionPlan blind = smp::partition(nodes, blind_options);
+      const double blind_load = stage_load(nodes, calls, options, plan.node_cost, blind.stage);
+      std::printf("%8d  %6d  %9.2f  %9.4f  %14.4f\n", num_nodes, num_stages, best_ms,
+                  plan.imbalance, plan.max_stage_load / blind_load);
     }
   }
   return 0;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -59,6 +60,52 @@
 // each segment is a single item of cost <= OPT, so the result is <= OPT. Refinement only lowers
 // the result. Hence partition() <= 2·OPT.
 
+// Note [Crossings]
+// ~~~~~~~~~~~~~~~~
+// Cost. A call (caller u, callee v) whose ends are on different stages costs kappa = (1 − w)·
+// seconds(call) / (3·Σ compute·seconds_per_compute) on both stages (partition.h). The step
+// function is a caller on stage 0. A stage's load is its cost plus the kappa of every crossing it
+// takes part in; a priced plan minimises the largest load.
+//
+// One level. The items of a sequence are consecutive ranges of the pre-order, so every call end is
+// (a) inside an item of the sequence, (b) a module whose stage is already fixed (a pin, the step
+// function, a module placed by an earlier level), (c) the root, when its own cost may go to any
+// device (top level), or (d) a module not placed yet (another segment of a D'Hondt level: its
+// crossings are not known here and are left out; the plan's report counts them all). A call with
+// both ends in one item never crosses and drops out. For a segment [s, e) on device d:
+//   load_d = preload_d + C(s, e) + X(s, e) + Σ_{(a) ends p in [s, e), fixed stage t ≠ d} kappa
+//            + Σ_{fixed stage t = d, the item end outside [s, e)} kappa + (root terms),
+// C the item costs and X the calls between items with exactly one end in [s, e). The fixed-stage
+// terms are K_d + Σ_{p in [s, e)} (ext(p) − 2·ext_d(p)), K_d the calls between items and stage d,
+// which makes every term a function of (d, s, e) alone, computed incrementally as e grows: adding
+// item q adds kappa for each of its calls whose other end is outside [s, e) and removes it for
+// each whose other end is already inside. The root's own cost is handled as in Note [Partitioner]
+// (root position) by a flag in the state: "the root is on a device <= d"; the device that takes it
+// pays the root's calls to items outside its segment, the others pay those to their own items.
+//
+// Exact dynamic programme. f[d][e][h] = the smallest max load of devices 0..d covering items
+// [0, e), h = whether the root is placed. f[d][e][h'] = min over s of max(f[d−1][s][h], load_d(s,
+// e)). Every load is >= preload_d + C(s, e), which only grows with e, so a sweep from s stops when
+// that exceeds the best value known (the compute-only segmentation of the same items, evaluated
+// with its crossings) or the balance cap below; the work is about (number of reachable starts) ×
+// (items per stage) steps, each as long as the item's call list. Sequences of more than
+// kMaxPricedItems items keep the compute-only segmentation (real models' levels have tens to a
+// few thousand items; 100k-node trees without calls never get here).
+//
+// Balance cap. When crossings cost more than whole layers (tiny models, fast devices), the least
+// load is reached by giving all stages but one a single tiny module: the pipeline then holds
+// neither the work nor the memory it was asked to spread. A priced segmentation therefore keeps
+// every stage's cost <= (1 + balance_tolerance)·V, V the compute-only optimum of the level's items
+// before any boundary item is opened (whole modules), and minimises the load under that cap.
+// Opening items never removes a segmentation (the pieces of an opened item may stay together, with
+// the same crossings), so every refinement round's exact minimum is <= the previous one, and the
+// fallback of Note [Partitioner] (open what the fully expanded optimum cuts through) reaches that
+// optimum. Hence, within the size limit: the plan's largest load is within 1 + kRefineTolerance
+// of the least largest load of any contiguous cut of the pre-order (root anywhere) under the cap.
+// Each priced level also runs the segmentation by cost alone (the unpriced path) and keeps it when
+// its load is lower: a level is never worse than ignoring crossings, also beyond the size limit
+// (tests: the contiguous oracle on small trees, and 100k-node trees with a call per node).
+
 namespace smp {
 namespace {
 
@@ -66,6 +113,12 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // See Note [Partitioner]: how far above the fully expanded optimum a coarse segmentation may be.
 constexpr double kRefineTolerance = 0.02;
 constexpr int kMaxBoundaryRounds = 8;
+// See Note [Crossings]: longest item sequence segmented by the exact dynamic programme.
+constexpr int kMaxPricedItems = 4096;
+// A crossing is a round trip in forward and another in backward.
+constexpr double kPasses = 2;
+// Forward + backward compute per unit of traced (forward) compute: backward ≈ 2× forward.
+constexpr double kComputePasses = 3;
 
 // Note [Exact contiguous segmentation]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -235,16 +288,55 @@ struct Segmentation {
   double value = kInf;
   int root_device = -1;
   std::vector<int> ends;
+  std::vector<double> loads;  // priced: every device's load (Note [Crossings])
+};
+
+// A priced call between two nodes (caller -1: the step function, on stage 0).
+struct Crossing {
+  int caller;
+  int callee;
+  double kappa;
+};
+
+// One level's crossings, by item (Note [Crossings]). Devices are relative to the level's first.
+struct Level {
+  int m = 0;
+  int n = 0;
+  std::vector<double> prefix;      // of the item costs
+  std::vector<double> preload;     // pinned cost per device
+  std::vector<double> base;        // preload + crossings between fixed modules + K_d
+  std::vector<char> may_be_empty;  // device holds a pinned module
+  std::vector<int> adj_begin;      // calls between items: CSR, both directions
+  std::vector<int> adj_item;
+  std::vector<double> adj_kappa;
+  std::vector<int> ext_begin;   // calls with modules of fixed stages: CSR
+  std::vector<int> ext_device;  // relative device, -1 outside the level's devices
+  std::vector<double> ext_kappa;
+  std::vector<double> ext_total;   // per item
+  double root_cost = -1;           // >= 0: the root's own cost goes to any device
+  std::vector<double> root_kappa;  // per item: calls with the root
+  double root_total = 0;
+  std::vector<double> root_host;   // per device: calls root <-> fixed stages, root there
+  std::vector<double> root_guest;  // per device: the same, root elsewhere
 };
 
 class Partitioner {
  public:
-  Partitioner(const std::vector<PartitionNode>& nodes, const PartitionOptions& options)
-      : nodes_(nodes), num_stages_(options.num_stages), memory_weight_(options.memory_weight) {}
+  Partitioner(const std::vector<PartitionNode>& nodes, const PartitionOptions& options,
+              const std::vector<PartitionCall>& calls)
+      : nodes_(nodes),
+        calls_(calls),
+        num_stages_(options.num_stages),
+        memory_weight_(options.memory_weight),
+        seconds_per_compute_(options.seconds_per_compute),
+        latency_(options.crossing_latency),
+        bandwidth_(options.bandwidth),
+        balance_tolerance_(options.balance_tolerance) {}
 
   PartitionPlan run() {
     validate();
     compute_costs();
+    price_calls();
     build_tree();
     classify_pins();
     check_units();
@@ -297,6 +389,27 @@ class Partitioner {
                 " but there are only ", num_stages_, " pipeline stages (0..", num_stages_ - 1,
                 "); pin it to a stage in that range or raise pipeline_parallel_degree");
     }
+    SMP_CHECK(valid_cost(seconds_per_compute_), "seconds_per_compute must be finite and >= 0, got ",
+              seconds_per_compute_);
+    SMP_CHECK(valid_cost(latency_), "crossing_latency must be finite and >= 0 seconds, got ",
+              latency_);
+    SMP_CHECK(bandwidth_ > 0, "bandwidth must be > 0 bytes per second, got ", bandwidth_);
+    SMP_CHECK(valid_cost(balance_tolerance_), "balance_tolerance must be finite and >= 0, got ",
+              balance_tolerance_);
+    for (std::size_t i = 0; i < calls_.size(); ++i) {
+      const PartitionCall& call = calls_[i];
+      SMP_CHECK(call.caller >= -1 && call.caller < num_nodes(), "calls[", i, "] has caller ",
+                call.caller, "; use -1 (the step function) or a node in [0, ", num_nodes(), ")");
+      SMP_CHECK(call.callee >= 0 && call.callee < num_nodes(), "calls[", i, "] has callee ",
+                call.callee, "; use a node in [0, ", num_nodes(), ")");
+      const std::string who = "calls[" + std::to_string(i) + "] (into '" + name(call.callee) + "')";
+      SMP_CHECK(valid_cost(call.calls), who, " has calls ", call.calls,
+                "; counts must be finite and >= 0");
+      SMP_CHECK(valid_cost(call.forward_bytes), who, " has forward_bytes ", call.forward_bytes,
+                "; sizes must be finite and >= 0");
+      SMP_CHECK(valid_cost(call.backward_bytes), who, " has backward_bytes ", call.backward_bytes,
+                "; sizes must be finite and >= 0");
+    }
   }
 
   void compute_costs() {
@@ -318,6 +431,8 @@ class Partitioner {
     }
     compute_weight /= weights;
     memory_weight /= weights;
+    compute_weight_ = compute_weight;
+    total_compute_ = total_compute;
     own_.assign(n, 0.0);
     for (int v = 0; v < n; ++v) {
       const PartitionNode& node = nodes_[v];
@@ -328,6 +443,27 @@ class Partitioner {
       }
       own_[v] = c;
     }
+  }
+
+  // Seconds and normalised cost (kappa) of every call when it crosses; the priced ones, ends
+  // apart, become crossings_ (Note [Crossings]).
+  void price_calls() {
+    const double scale =
+        seconds_per_compute_ > 0 && compute_weight_ > 0 && total_compute_ > 0
+            ? compute_weight_ / (kComputePasses * total_compute_ * seconds_per_compute_)
+            : 0.0;
+    call_seconds_.assign(calls_.size(), 0.0);
+    call_kappa_.assign(calls_.size(), 0.0);
+    for (std::size_t i = 0; i < calls_.size(); ++i) {
+      const PartitionCall& call = calls_[i];
+      const double bytes = call.forward_bytes + call.backward_bytes;
+      call_seconds_[i] = kPasses * latency_ * call.calls + (bytes > 0 ? bytes / bandwidth_ : 0.0);
+      call_kappa_[i] = scale * call_seconds_[i];
+      if (call_kappa_[i] > 0 && call.caller != call.callee) {
+        crossings_.push_back({call.caller, call.callee, call_kappa_[i]});
+      }
+    }
+    priced_ = !crossings_.empty();
   }
 
   void build_tree() {
@@ -605,13 +741,15 @@ class Partitioner {
       SMP_INTERNAL_ASSERT(pick != -1, "more devices than placeable modules in a segment");
       ++alloc[pick];
     }
+    // Single-device segments first, so that the levels below see where their callers went.
     int d = lo;
     for (int i = 0; i < m; ++i) {
-      if (alloc[i] == 1) {
-        assign(seq[i], d);
-      } else {
-        place({seq[i]}, d, d + alloc[i], /*top=*/false);
-      }
+      if (alloc[i] == 1) assign(seq[i], d);
+      d += alloc[i];
+    }
+    d = lo;
+    for (int i = 0; i < m; ++i) {
+      if (alloc[i] > 1) place({seq[i]}, d, d + alloc[i], /*top=*/false);
       d += alloc[i];
     }
   }
@@ -657,6 +795,17 @@ class Partitioner {
       root_cost = own_[0];
       seq.erase(seq.begin());
     }
+    if (priced_) {
+      one_to_one_priced(std::move(seq), lo, n, root_cost);
+      return;
+    }
+    segment_by_cost(seq, lo, n, root_cost);
+  }
+
+  // The segmentation by cost alone, with boundary refinement: opens items of seq as needed and
+  // places them. Returns the segmentation; seq ends up as the items it is over.
+  Segmentation segment_by_cost(std::vector<Item>& seq, int lo, int n, double root_cost,
+                               bool place = true) {
     // Target: the optimum of the fully expanded sequence (pre-order own costs of every item).
     std::vector<double> fine;
     for (const Item& item : seq) {
@@ -711,13 +860,326 @@ class Partitioner {
       seg = segment(prefix_sums(costs), lo, n, root_cost);
       break;
     }
+    if (place) apply(seq, seg, lo);
+    return seg;
+  }
 
+  void apply(const std::vector<Item>& seq, const Segmentation& seg, int lo) {
     if (seg.root_device != -1) stage_[0] = lo + seg.root_device;
     int start = 0;
-    for (int d = 0; d < n; ++d) {
-      for (int i = start; i < seg.ends[d]; ++i) assign(seq[i], lo + d);
+    for (std::size_t d = 0; d < seg.ends.size(); ++d) {
+      for (int i = start; i < seg.ends[d]; ++i) assign(seq[i], lo + static_cast<int>(d));
       start = seg.ends[d];
     }
+  }
+
+  // ---- priced crossings (Note [Crossings]) ---------------------------------------------------
+  // one_to_one() when crossings are priced: the same rounds, on stage loads, under the balance
+  // cap; and never a higher load than the segmentation by cost alone (which the exact programme
+  // guarantees only up to kRefineTolerance, or not at all beyond kMaxPricedItems items).
+  void one_to_one_priced(std::vector<Item> seq, int lo, int n, double root_cost) {
+    std::vector<double> costs(seq.size());
+    for (std::size_t i = 0; i < seq.size(); ++i) costs[i] = cost(seq[i]);
+    const double whole = segment(prefix_sums(costs), lo, n, root_cost).value;
+    const double cap = whole * (1 + balance_tolerance_) * (1 + 1e-12);
+
+    std::vector<Item> blind_seq = seq;
+    const Segmentation blind = segment_by_cost(blind_seq, lo, n, root_cost, /*place=*/false);
+    const std::vector<double> blind_loads =
+        level_loads(make_level(blind_seq, lo, n, root_cost), blind.ends, blind.root_device);
+    const double blind_value = *std::max_element(blind_loads.begin(), blind_loads.end());
+
+    // Target: the least load over the fully expanded sequence (every node its own item).
+    std::vector<Item> fine;
+    for (const Item& item : seq) {
+      if (item.own) {
+        fine.push_back(item);
+      } else {
+        for (int p = pre_[item.node]; p < pre_[item.node] + size_[item.node]; ++p) {
+          fine.push_back({order_[p], true});
+        }
+      }
+    }
+    const Segmentation fine_seg = priced_segment(fine, lo, n, root_cost, cap);
+    const double target = fine_seg.value * (1 + kRefineTolerance);
+
+    Segmentation seg;
+    for (int round = 0;; ++round) {
+      seg = priced_segment(seq, lo, n, root_cost, cap);
+      if (seg.value <= target) break;
+      const int m = static_cast<int>(seq.size());
+      std::vector<char> marked(m, 0);
+      bool any = false;
+      int start = 0;
+      for (int d = 0; d < n; ++d) {
+        const int end = seg.ends[d];
+        if (seg.loads[d] > target) {
+          for (int i : {start - 1, start, end - 1, end}) {
+            if (i >= 0 && i < m && expandable(seq[i])) {
+              marked[i] = 1;
+              any = true;
+            }
+          }
+        }
+        start = end;
+      }
+      if (any && round < kMaxBoundaryRounds) {
+        seq = expand(seq, marked);
+        continue;
+      }
+      const std::vector<int> cuts(fine_seg.ends.begin(), fine_seg.ends.end() - 1);
+      seq = split_at(seq, cuts);
+      seg = priced_segment(seq, lo, n, root_cost, cap);
+      break;
+    }
+    if (blind_value < seg.value) {
+      apply(blind_seq, blind, lo);
+    } else {
+      apply(seq, seg, lo);
+    }
+  }
+
+  // The least-load segmentation of seq over devices [lo, lo + n) whose stage costs stay <= cap:
+  // the exact programme (up to kMaxPricedItems items), or else the compute-only segmentation.
+  Segmentation priced_segment(const std::vector<Item>& seq, int lo, int n, double root_cost,
+                              double cap) {
+    const Level level = make_level(seq, lo, n, root_cost);
+    std::vector<double> costs(seq.size());
+    for (std::size_t i = 0; i < seq.size(); ++i) costs[i] = cost(seq[i]);
+    Segmentation best = segment(prefix_sums(costs), lo, n, root_cost);
+    best.loads = level_loads(level, best.ends, best.root_device);
+    best.value = *std::max_element(best.loads.begin(), best.loads.end());
+    if (level.m <= kMaxPricedItems) {
+      Segmentation exact = least_load(level, cap, best.value);
+      if (exact.value < best.value * (1 - 1e-12)) {
+        exact.loads = level_loads(level, exact.ends, exact.root_device);
+        best = std::move(exact);
+      }
+    }
+    return best;
+  }
+
+  Level make_level(const std::vector<Item>& seq, int lo, int n, double root_cost) {
+    Level level;
+    const int m = static_cast<int>(seq.size());
+    level.m = m;
+    level.n = n;
+    std::vector<double> costs(m);
+    for (int i = 0; i < m; ++i) costs[i] = cost(seq[i]);
+    level.prefix = prefix_sums(costs);
+    level.preload.assign(preload_.begin() + lo, preload_.begin() + lo + n);
+    level.base = level.preload;
+    level.may_be_empty.assign(pinned_present_.begin() + lo, pinned_present_.begin() + lo + n);
+    level.root_cost = root_cost;
+    level.ext_total.assign(m, 0.0);
+    level.root_kappa.assign(m, 0.0);
+    level.root_host.assign(n, 0.0);
+    level.root_guest.assign(n, 0.0);
+
+    if (item_at_.empty()) item_at_.assign(num_nodes(), -1);
+    const auto cover = [&](bool set) {  // item_at_ of every node in seq, or back to -1
+      for (int i = 0; i < m; ++i) {
+        const Item& item = seq[i];
+        if (item.own) {
+          item_at_[item.node] = set ? i : -1;
+          continue;
+        }
+        for (int p = pre_[item.node]; p < pre_[item.node] + size_[item.node]; ++p) {
+          item_at_[order_[p]] = set ? i : -1;
+        }
+      }
+    };
+    cover(true);
+    // Where a call's end is: an item (>= 0), the flexible root (kRoot), a fixed stage
+    // (kFixed - stage), or not placed yet (kUnknown).
+    constexpr int kRoot = -1;
+    constexpr int kUnknown = -2;
+    constexpr int kFixed = -3;
+    const auto where = [&](int x) {
+      if (x == -1) return kFixed;  // the step function: stage 0
+      if (item_at_[x] >= 0) return item_at_[x];
+      if (x == 0 && root_cost >= 0) return kRoot;
+      if (stage_[x] >= 0) return kFixed - stage_[x];
+      return kUnknown;
+    };
+    const auto relative = [&](int stage) {
+      return stage >= lo && stage < lo + n ? stage - lo : -1;
+    };
+    std::vector<std::pair<int, std::pair<int, double>>> adj;  // (item, (item, kappa))
+    std::vector<std::pair<int, std::pair<int, double>>> ext;  // (item, (device, kappa))
+    for (const Crossing& c : crossings_) {
+      int a = where(c.caller);
+      int b = where(c.callee);
+      if (a == kUnknown || b == kUnknown) continue;
+      if (a < b) std::swap(a, b);  // items first, then the root, then fixed stages
+      if (a >= 0 && b >= 0) {
+        if (a != b) {
+          adj.push_back({a, {b, c.kappa}});
+          adj.push_back({b, {a, c.kappa}});
+        }
+      } else if (a >= 0 && b == kRoot) {
+        level.root_kappa[a] += c.kappa;
+        level.root_total += c.kappa;
+      } else if (a >= 0) {
+        const int device = relative(kFixed - b);
+        ext.push_back({a, {device, c.kappa}});
+        level.ext_total[a] += c.kappa;
+        if (device >= 0) level.base[device] += c.kappa;
+      } else if (a == kRoot) {
+        const int device = relative(kFixed - b);
+        for (int d = 0; d < n; ++d)
+          (d == device ? level.root_guest : level.root_host)[d] += c.kappa;
+      } else if (a != b) {  // two fixed stages
+        for (int stage : {kFixed - a, kFixed - b}) {
+          if (relative(stage) >= 0) level.base[relative(stage)] += c.kappa;
+        }
+      }
+    }
+    cover(false);
+    const auto csr = [m](std::vector<std::pair<int, std::pair<int, double>>>& entries,
+                         std::vector<int>& begin, std::vector<int>& other,
+                         std::vector<double>& kappa) {
+      std::stable_sort(entries.begin(), entries.end(),
+                       [](const auto& x, const auto& y) { return x.first < y.first; });
+      begin.assign(m + 1, 0);
+      for (const auto& e : entries) ++begin[e.first + 1];
+      for (int i = 0; i < m; ++i) begin[i + 1] += begin[i];
+      other.resize(entries.size());
+      kappa.resize(entries.size());
+      for (std::size_t k = 0; k < entries.size(); ++k) {
+        other[k] = entries[k].second.first;
+        kappa[k] = entries[k].second.second;
+      }
+    };
+    csr(adj, level.adj_begin, level.adj_item, level.adj_kappa);
+    csr(ext, level.ext_begin, level.ext_device, level.ext_kappa);
+    return level;
+  }
+
+  // Every device's load for a segmentation given by its ends and the root's device (-1: none).
+  static std::vector<double> level_loads(const Level& level, const std::vector<int>& ends,
+                                         int root_device) {
+    std::vector<int> device(level.m);
+    int start = 0;
+    for (int d = 0; d < level.n; ++d) {
+      for (int i = start; i < ends[d]; ++i) device[i] = d;
+      start = ends[d];
+    }
+    std::vector<double> load = level.base;
+    for (int i = 0; i < level.m; ++i) {
+      const int d = device[i];
+      load[d] += level.prefix[i + 1] - level.prefix[i];
+      for (int k = level.adj_begin[i]; k < level.adj_begin[i + 1]; ++k) {
+        if (device[level.adj_item[k]] != d) load[d] += level.adj_kappa[k];  // each end its own
+      }
+      for (int k = level.ext_begin[i]; k < level.ext_begin[i + 1]; ++k) {
+        if (level.ext_device[k] == d) {
+          load[d] -= level.ext_kappa[k];  // in K_d, but does not cross
+        } else {
+          load[d] += level.ext_kappa[k];
+        }
+      }
+    }
+    if (level.root_cost >= 0) {
+      const int j = root_device;
+      for (int d = 0; d < level.n; ++d) {
+        load[d] += d == j ? level.root_cost + level.root_host[d] : level.root_guest[d];
+      }
+      for (int i = 0; i < level.m; ++i) {
+        if (device[i] != j) {
+          load[device[i]] += level.root_kappa[i];
+          load[j] += level.root_kappa[i];
+        }
+      }
+    }
+    return load;
+  }
+
+  // Note [Crossings]: the exact least max load with every stage cost <= cap, if below `upper`
+  // (else value = kInf).
+  static Segmentation least_load(const Level& level, double cap, double upper) {
+    const int m = level.m;
+    const int n = level.n;
+    const bool flexible = level.root_cost >= 0;
+    const int states = flexible ? 2 : 1;
+    const auto at = [&](int d, int e, int h) {
+      return (static_cast<std::size_t>(d) * (m + 1) + e) * states + h;
+    };
+    const std::size_t size = static_cast<std::size_t>(n) * (m + 1) * states;
+    std::vector<double> f(size, kInf);
+    std::vector<int> from(size, -1);          // start of device d's segment
+    std::vector<signed char> came(size, -1);  // previous h, + 2 if device d took the root
+    const auto relax = [&](int d, int e, int h, double value, int s, int h_prev, bool hosts) {
+      const std::size_t k = at(d, e, h);
+      if (value <= upper && value < f[k]) {
+        f[k] = value;
+        from[k] = s;
+        came[k] = static_cast<signed char>(h_prev + (hosts ? 2 : 0));
+      }
+    };
+    // Per-device part of the fixed-stage term: ext_d(q) for this device.
+    const auto ext_to = [&](int q, int d) {
+      double sum = 0;
+      for (int k = level.ext_begin[q]; k < level.ext_begin[q + 1]; ++k) {
+        if (level.ext_device[k] == d) sum += level.ext_kappa[k];
+      }
+      return sum;
+    };
+    for (int d = 0; d < n; ++d) {
+      const bool last = d == n - 1;
+      for (int s = 0; s <= m; ++s) {
+        for (int h = 0; h < states; ++h) {
+          const double before = d == 0 ? (s == 0 && h == 0 ? 0.0 : kInf) : f[at(d - 1, s, h)];
+          if (!(before <= upper)) continue;
+          double c = 0;     // item costs
+          double x = 0;     // calls between items with one end in [s, e)
+          double ext = 0;   // fixed-stage term without K_d (in base)
+          double root = 0;  // calls of items in [s, e) with the root
+          for (int e = s;; ++e) {
+            if (e > s) {
+              const int q = e - 1;
+              c += level.prefix[e] - level.prefix[q];
+              for (int k = level.adj_begin[q]; k < level.adj_begin[q + 1]; ++k) {
+                const int other = level.adj_item[k];
+                x += other >= s && other < q ? -level.adj_kappa[k] : level.adj_kappa[k];
+              }
+              ext += level.ext_total[q] - 2 * ext_to(q, d);
+              root += level.root_kappa[q];
+            }
+            const double cost_load = level.preload[d] + c;
+            if (cost_load > cap || cost_load > upper) break;
+            if (!last || e == m) {
+              const double common = level.base[d] + c + x + ext;
+              if (e > s || level.may_be_empty[d]) {
+                const double load = common + (flexible ? root + level.root_guest[d] : 0.0);
+                relax(d, e, h, std::max(before, load), s, h, false);
+              }
+              if (flexible && h == 0 && cost_load + level.root_cost <= cap) {
+                const double load =
+                    common + level.root_cost + level.root_total - root + level.root_host[d];
+                relax(d, e, 1, std::max(before, load), s, 0, true);
+              }
+            }
+            if (e == m) break;
+          }
+        }
+      }
+    }
+    Segmentation seg;
+    const int final_state = flexible ? 1 : 0;
+    seg.value = f[at(n - 1, m, final_state)];
+    if (!(seg.value < kInf)) return seg;
+    seg.ends.assign(n, 0);
+    int e = m;
+    int h = final_state;
+    for (int d = n - 1; d >= 0; --d) {
+      const std::size_t k = at(d, e, h);
+      seg.ends[d] = e;
+      if (came[k] >= 2) seg.root_device = d;
+      h = came[k] % 2;
+      e = from[k];
+    }
+    return seg;
   }
 
   void assign(const Item& item, int stage) {
@@ -756,14 +1218,50 @@ class Partitioner {
     plan.max_stage_cost = *std::max_element(plan.stage_cost.begin(), plan.stage_cost.end());
     const double total = std::accumulate(plan.stage_cost.begin(), plan.stage_cost.end(), 0.0);
     plan.imbalance = total > 0 ? plan.max_stage_cost / (total / num_stages_) : 1.0;
+
+    // Crossings of the final assignment, every call counted (Note [Crossings]).
+    plan.stage_crossing_cost.assign(num_stages_, 0.0);
+    std::map<std::pair<int, int>, PartitionLink> links;
+    for (std::size_t i = 0; i < calls_.size(); ++i) {
+      const PartitionCall& call = calls_[i];
+      const int a = call.caller == -1 ? 0 : stage_[call.caller];
+      const int b = stage_[call.callee];
+      if (a == b) continue;
+      plan.stage_crossing_cost[a] += call_kappa_[i];
+      plan.stage_crossing_cost[b] += call_kappa_[i];
+      PartitionLink& link = links[{std::min(a, b), std::max(a, b)}];
+      link.first_stage = std::min(a, b);
+      link.second_stage = std::max(a, b);
+      link.calls += call.calls;
+      link.forward_bytes += call.forward_bytes;
+      link.backward_bytes += call.backward_bytes;
+      link.seconds += call_seconds_[i];
+    }
+    for (const auto& entry : links) plan.links.push_back(entry.second);
+    for (int s = 0; s < num_stages_; ++s) {
+      plan.max_stage_load =
+          std::max(plan.max_stage_load, plan.stage_cost[s] + plan.stage_crossing_cost[s]);
+    }
     return plan;
   }
 
   enum class Kind { kFree, kPinned, kMixed };
 
   const std::vector<PartitionNode>& nodes_;
+  const std::vector<PartitionCall>& calls_;
   int num_stages_;
   double memory_weight_;
+  double seconds_per_compute_;
+  double latency_;
+  double bandwidth_;
+  double balance_tolerance_;
+  double compute_weight_ = 0;  // effective weight of compute (after terms dropped out)
+  double total_compute_ = 0;
+  std::vector<double> call_seconds_;  // per call: seconds when it crosses
+  std::vector<double> call_kappa_;    // per call: normalised cost when it crosses (0: unpriced)
+  std::vector<Crossing> crossings_;   // priced calls between distinct nodes
+  bool priced_ = false;
+  std::vector<int> item_at_;  // scratch of make_level(): item holding a node, -1 elsewhere
 
   std::vector<double> own_;       // normalised own cost
   std::vector<double> sub_;       // subtree cost
@@ -782,8 +1280,9 @@ class Partitioner {
 
 }  // namespace
 
-PartitionPlan partition(const std::vector<PartitionNode>& nodes, const PartitionOptions& options) {
-  return Partitioner(nodes, options).run();
+PartitionPlan partition(const std::vector<PartitionNode>& nodes, const PartitionOptions& options,
+                        const std::vector<PartitionCall>& calls) {
+  return Partitioner(nodes, options, calls).run();
 }
 
 std::vector<int> optimal_contiguous_partition(const std::vector<double>& costs, int num_parts) {

@@ -36,20 +36,74 @@ void init_partition_bindings(py::module_& m) {
         return out.str();
       });
 
+  py::class_<PartitionCall>(m, "PartitionCall",
+                            "Calls one node's forward makes to another per microbatch "
+                            "(smp/partition.h).")
+      .def(py::init([](int caller, int callee, double calls, double forward_bytes,
+                       double backward_bytes) {
+             return PartitionCall{caller, callee, calls, forward_bytes, backward_bytes};
+           }),
+           py::kw_only(), py::arg("caller") = -1, py::arg("callee") = 0, py::arg("calls") = 0.0,
+           py::arg("forward_bytes") = 0.0, py::arg("backward_bytes") = 0.0)
+      .def_readwrite("caller", &PartitionCall::caller)
+      .def_readwrite("callee", &PartitionCall::callee)
+      .def_readwrite("calls", &PartitionCall::calls)
+      .def_readwrite("forward_bytes", &PartitionCall::forward_bytes)
+      .def_readwrite("backward_bytes", &PartitionCall::backward_bytes)
+      .def("__repr__", [](const PartitionCall& c) {
+        std::ostringstream out;
+        out << "PartitionCall(caller=" << c.caller << ", callee=" << c.callee
+            << ", calls=" << c.calls << ", forward_bytes=" << c.forward_bytes
+            << ", backward_bytes=" << c.backward_bytes << ")";
+        return out.str();
+      });
+
+  py::class_<PartitionLink>(m, "PartitionLink",
+                            "Crossings between two stages per microbatch; read-only.")
+      .def_readonly("first_stage", &PartitionLink::first_stage)
+      .def_readonly("second_stage", &PartitionLink::second_stage)
+      .def_readonly("calls", &PartitionLink::calls)
+      .def_readonly("forward_bytes", &PartitionLink::forward_bytes)
+      .def_readonly("backward_bytes", &PartitionLink::backward_bytes)
+      .def_readonly("seconds", &PartitionLink::seconds)
+      .def("__repr__", [](const PartitionLink& l) {
+        std::ostringstream out;
+        out << "PartitionLink(stages=" << l.first_stage << "-" << l.second_stage
+            << ", calls=" << l.calls << ", forward_bytes=" << l.forward_bytes
+            << ", backward_bytes=" << l.backward_bytes << ", seconds=" << l.seconds << ")";
+        return out.str();
+      });
+
   py::class_<PartitionOptions>(m, "PartitionOptions", "Knobs of partition().")
-      .def(py::init([](int num_stages, double memory_weight) {
+      .def(py::init([](int num_stages, double memory_weight, double seconds_per_compute,
+                       double crossing_latency, double bandwidth, double balance_tolerance) {
              PartitionOptions options;
              options.num_stages = num_stages;
              options.memory_weight = memory_weight;
+             options.seconds_per_compute = seconds_per_compute;
+             options.crossing_latency = crossing_latency;
+             options.bandwidth = bandwidth;
+             options.balance_tolerance = balance_tolerance;
              return options;
            }),
-           py::kw_only(), py::arg("num_stages") = 1, py::arg("memory_weight") = 0.2)
+           py::kw_only(), py::arg("num_stages") = 1, py::arg("memory_weight") = 0.2,
+           py::arg("seconds_per_compute") = PartitionOptions{}.seconds_per_compute,
+           py::arg("crossing_latency") = PartitionOptions{}.crossing_latency,
+           py::arg("bandwidth") = PartitionOptions{}.bandwidth,
+           py::arg("balance_tolerance") = PartitionOptions{}.balance_tolerance)
       .def_readwrite("num_stages", &PartitionOptions::num_stages)
       .def_readwrite("memory_weight", &PartitionOptions::memory_weight)
+      .def_readwrite("seconds_per_compute", &PartitionOptions::seconds_per_compute)
+      .def_readwrite("crossing_latency", &PartitionOptions::crossing_latency)
+      .def_readwrite("bandwidth", &PartitionOptions::bandwidth)
+      .def_readwrite("balance_tolerance", &PartitionOptions::balance_tolerance)
       .def("__repr__", [](const PartitionOptions& o) {
         std::ostringstream out;
         out << "PartitionOptions(num_stages=" << o.num_stages
-            << ", memory_weight=" << o.memory_weight << ")";
+            << ", memory_weight=" << o.memory_weight
+            << ", seconds_per_compute=" << o.seconds_per_compute
+            << ", crossing_latency=" << o.crossing_latency << ", bandwidth=" << o.bandwidth
+            << ", balance_tolerance=" << o.balance_tolerance << ")";
         return out.str();
       });
 
@@ -62,16 +116,20 @@ void init_partition_bindings(py::module_& m) {
       .def_readonly("stage_compute", &PartitionPlan::stage_compute)
       .def_readonly("max_stage_cost", &PartitionPlan::max_stage_cost)
       .def_readonly("imbalance", &PartitionPlan::imbalance)
+      .def_readonly("stage_crossing_cost", &PartitionPlan::stage_crossing_cost)
+      .def_readonly("max_stage_load", &PartitionPlan::max_stage_load)
+      .def_readonly("links", &PartitionPlan::links)
       .def("__repr__", [](const PartitionPlan& p) {
         std::ostringstream out;
         out << "PartitionPlan(num_stages=" << p.stage_cost.size()
-            << ", max_stage_cost=" << p.max_stage_cost << ", imbalance=" << p.imbalance << ")";
+            << ", max_stage_cost=" << p.max_stage_cost << ", imbalance=" << p.imbalance
+            << ", max_stage_load=" << p.max_stage_load << ")";
         return out.str();
       });
 
   // Arguments are converted before the GIL is released; the plan is converted after it is back.
   m.def("partition", &partition, py::arg("nodes"), py::arg("options"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("calls") = std::vector<PartitionCall>{}, py::call_guard<py::gil_scoped_release>(),
         "Assigns every node of the module tree to a pipeline stage (smp/partition.h).");
   m.def("optimal_contiguous_partition", &optimal_contiguous_partition, py::arg("costs"),
         py::arg("num_parts"),

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <iostream>
@@ -610,6 +611,365 @@ TEST(PartitionTest, DeepSpineIsCutWhereTheFullyExpandedOptimumCuts) {
     const std::vector<double> leaves = preorder_costs(nodes, plan.node_cost);
     const double optimum = max_part(leaves, optimal_contiguous_partition(leaves, p), p);
     EXPECT_LE(plan.max_stage_cost, 1.02 * optimum) << p;
+  }
+}
+
+// ---- partition: crossings ---------------------------------------------------------------------
+
+PartitionOptions priced(int num_stages, double latency, double balance_tolerance = 0.1) {
+  PartitionOptions options = stages(num_stages, /*memory_weight=*/0);
+  options.seconds_per_compute = 1;  // compute in seconds
+  options.crossing_latency = latency;
+  options.bandwidth = std::numeric_limits<double>::infinity();  // bytes free unless a test says
+  options.balance_tolerance = balance_tolerance;
+  return options;
+}
+
+PartitionCall call(int caller, int callee, double calls = 1, double forward_bytes = 0,
+                   double backward_bytes = 0) {
+  PartitionCall c;
+  c.caller = caller;
+  c.callee = callee;
+  c.calls = calls;
+  c.forward_bytes = forward_bytes;
+  c.backward_bytes = backward_bytes;
+  return c;
+}
+
+// Every call of the tree made by the parent (the step function calls the root).
+std::vector<PartitionCall> parent_calls(const std::vector<PartitionNode>& nodes) {
+  std::vector<PartitionCall> calls = {call(-1, 0)};
+  for (std::size_t v = 1; v < nodes.size(); ++v) calls.push_back(call(nodes[v].parent, v));
+  return calls;
+}
+
+// The cost model of partition.h on an assignment: largest stage cost + crossings.
+double stage_load(const std::vector<PartitionNode>& nodes, const std::vector<PartitionCall>& calls,
+                  const PartitionOptions& options, const std::vector<double>& cost,
+                  const std::vector<int>& stage) {
+  double total_compute = 0;
+  double total_memory = 0;
+  for (const PartitionNode& x : nodes) {
+    total_compute += x.compute;
+    total_memory += 3 * x.param_bytes + x.activation_bytes;
+  }
+  // Crossings are priced like compute; with no compute there is nothing to price them against.
+  const double compute_weight =
+      total_compute > 0 ? (total_memory > 0 ? 1 - options.memory_weight : 1.0) : 0.0;
+  std::vector<double> load(options.num_stages, 0.0);
+  for (std::size_t v = 0; v < nodes.size(); ++v) load[stage[v]] += cost[v];
+  for (const PartitionCall& c : calls) {
+    const int a = c.caller == -1 ? 0 : stage[c.caller];
+    const int b = stage[c.callee];
+    if (a == b) continue;
+    const double seconds = 2 * options.crossing_latency * c.calls +
+                           (c.forward_bytes + c.backward_bytes) / options.bandwidth;
+    const double kappa = compute_weight > 0 ? compute_weight * seconds /
+                                                  (3 * total_compute * options.seconds_per_compute)
+                                            : 0.0;
+    load[a] += kappa;
+    load[b] += kappa;
+  }
+  return *std::max_element(load.begin(), load.end());
+}
+
+// Root -> layers (chain) -> `blocks` blocks -> [attn, mlp]: every block, attn and mlp costs 1 in
+// total (block own 0, attn 0.5, mlp 0.5); the root's forward calls the blocks, a block its two.
+std::vector<PartitionNode> block_chain(int blocks) {
+  std::vector<PartitionNode> nodes = {node("root", -1), node("layers", 0)};
+  nodes[1].chain = true;
+  for (int b = 0; b < blocks; ++b) {
+    const int block = static_cast<int>(nodes.size());
+    nodes.push_back(node("block" + std::to_string(b), 1));
+    nodes.push_back(node("block" + std::to_string(b) + ".attn", block, 0.5));
+    nodes.push_back(node("block" + std::to_string(b) + ".mlp", block, 0.5));
+  }
+  return nodes;
+}
+
+std::vector<PartitionCall> block_calls(const std::vector<PartitionNode>& nodes) {
+  std::vector<PartitionCall> calls = {call(-1, 0)};
+  for (std::size_t v = 2; v < nodes.size(); ++v) {
+    calls.push_back(call(nodes[v].parent == 1 ? 0 : nodes[v].parent, v));
+  }
+  return calls;
+}
+
+// Blocks whose three modules are not all on one stage.
+int blocks_cut(const std::vector<PartitionNode>& nodes, const PartitionPlan& plan) {
+  int cut = 0;
+  for (std::size_t v = 2; v < nodes.size(); v += 3) {
+    cut += plan.stage[v] != plan.stage[v + 1] || plan.stage[v] != plan.stage[v + 2];
+  }
+  return cut;
+}
+
+// Three equal blocks on two stages: the best balance cuts the middle block (1.5 | 1.5); whole
+// blocks give 2 | 1. The cut inside costs one more crossing on each stage (block1 -> mlp besides
+// root -> block2), so it pays iff a crossing costs less than the half block it moves: kappa =
+// 2·latency / (3·3) < 1/6, latency < 0.75 s.
+TEST(PartitionCrossingsTest, CutInsideABlockOnlyWhenItPays) {
+  const std::vector<PartitionNode> nodes = block_chain(3);
+  const std::vector<PartitionCall> calls = block_calls(nodes);
+
+  const PartitionPlan free_plan = partition(nodes, stages(2, 0), calls);
+  expect_valid_plan(nodes, free_plan, 2, "free");
+  EXPECT_EQ(blocks_cut(nodes, free_plan), 1);
+  EXPECT_NEAR(free_plan.max_stage_cost, 0.5, kEps);
+  EXPECT_EQ(free_plan.stage_crossing_cost, (std::vector<double>{0, 0}));  // reported, unpriced
+  ASSERT_EQ(free_plan.links.size(), 1u);
+  EXPECT_EQ(free_plan.links[0].calls, 2);
+
+  const PartitionPlan cheap = partition(nodes, priced(2, 0.5), calls);
+  expect_valid_plan(nodes, cheap, 2, "cheap");
+  EXPECT_EQ(blocks_cut(nodes, cheap), 1) << "a crossing (1/9) is cheaper than half a block (1/6)";
+  EXPECT_NEAR(cheap.max_stage_load, 0.5 + 2.0 / 9, 1e-9);
+
+  const PartitionPlan dear = partition(nodes, priced(2, 1.0), calls);
+  expect_valid_plan(nodes, dear, 2, "dear");
+  EXPECT_EQ(blocks_cut(nodes, dear), 0) << "a crossing (2/9) is dearer than half a block";
+  EXPECT_NEAR(dear.max_stage_cost, 2.0 / 3, kEps);
+  EXPECT_NEAR(dear.max_stage_load, 2.0 / 3 + 2.0 / 9, 1e-9);
+  ASSERT_EQ(dear.links.size(), 1u);
+  EXPECT_EQ(dear.links[0].calls, 1);  // the root calling the block on the other stage
+}
+
+// Exhaustive oracle: every contiguous cut of the pre-order (the root's own node on any stage,
+// every stage non-empty), under the cost model with crossings and no balance cap. The plan's
+// largest stage load is within 2% of it (and, being such a cut itself, not below it).
+TEST(PartitionCrossingsTest, SmallRandomTreesAreWithinTwoPercentOfTheContiguousOracle) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  double worst = 1;
+  int planned = 0;
+  for (int trial = 0; trial < 1000; ++trial) {
+    const int n = std::uniform_int_distribution<int>(3, 9)(rng);
+    const int p = std::uniform_int_distribution<int>(2, 3)(rng);
+    std::vector<PartitionNode> nodes = random_tree(rng, n, /*zero_fraction=*/0.2, 0.3);
+    std::vector<PartitionCall> calls = parent_calls(nodes);
+    for (PartitionCall& c : calls) {
+      c.calls = std::uniform_int_distribution<int>(1, 3)(rng);
+      c.forward_bytes = unit(rng) * 100;
+      c.backward_bytes = unit(rng) * 100;
+    }
+    for (int extra = 0; extra < 2; ++extra) {  // a module called by a non-parent
+      const int callee = std::uniform_int_distribution<int>(1, n - 1)(rng);
+      const int caller = std::uniform_int_distribution<int>(0, n - 1)(rng);
+      calls.push_back(call(caller, callee, 1, unit(rng) * 100, 0));
+    }
+    if (placeable_units(nodes) < p) continue;
+    // Latency from free to far dearer than the whole model (log-uniform over 1e-4 .. 10 s).
+    const double latency = std::pow(10.0, -4 + 5 * unit(rng));
+    PartitionOptions options = priced(p, latency, /*balance_tolerance=*/1e9);
+    options.memory_weight = 0.2;
+    options.bandwidth = 1000 + unit(rng) * 4000;
+    const std::string where = "trial " + std::to_string(trial);
+    const PartitionPlan plan = partition(nodes, options, calls);
+    expect_valid_plan(nodes, plan, p, where);
+    EXPECT_NEAR(plan.max_stage_load, stage_load(nodes, calls, options, plan.node_cost, plan.stage),
+                1e-9)
+        << where;
+
+    // Oracle over the pre-order without the root; the root anywhere.
+    std::vector<std::vector<int>> children(n);
+    for (int v = 1; v < n; ++v) children[nodes[v].parent].push_back(v);
+    std::vector<int> order;
+    std::vector<int> stack = {0};
+    while (!stack.empty()) {
+      const int v = stack.back();
+      stack.pop_back();
+      order.push_back(v);
+      stack.insert(stack.end(), children[v].rbegin(), children[v].rend());
+    }
+    double oracle = std::numeric_limits<double>::infinity();
+    std::vector<int> stage(n, 0);
+    std::function<void(int, int)> rec = [&](int i, int min_stage) {
+      if (i == n) {
+        std::vector<int> count(p, 0);
+        for (int v = 0; v < n; ++v) ++count[stage[v]];
+        if (std::count(count.begin(), count.end(), 0) > 0) return;
+        oracle = std::min(oracle, stage_load(nodes, calls, options, plan.node_cost, stage));
+        return;
+      }
+      for (int s = min_stage; s < p; ++s) {
+        stage[order[i]] = s;
+        rec(i + 1, s);
+      }
+    };
+    for (int root = 0; root < p; ++root) {
+      stage[0] = root;
+      rec(1, 0);
+    }
+    EXPECT_GE(plan.max_stage_load, oracle - 1e-9) << where;
+    EXPECT_LE(plan.max_stage_load, 1.02 * oracle + 1e-9) << where;
+    PartitionOptions blind = options;
+    blind.seconds_per_compute = 0;
+    EXPECT_LE(plan.max_stage_load, stage_load(nodes, calls, options, plan.node_cost,
+                                              partition(nodes, blind, calls).stage) +
+                                       1e-9)
+        << where << ": never above the plan that ignores crossings";
+    worst = std::max(worst, plan.max_stage_load / oracle);
+    ++planned;
+  }
+  EXPECT_GT(planned, 800);
+  std::cout << "worst max_stage_load / contiguous oracle over " << planned << " trees: " << worst
+            << "\n";
+}
+
+// With crossings far dearer than the blocks (a tiny model), the least load would leave all but
+// one stage a single small module; the balance cap keeps the blocks spread: with 8 equal blocks
+// on 4 stages the whole-block optimum is 2 per stage, and 1.1x of it still allows only 2.
+TEST(PartitionCrossingsTest, BalanceCapKeepsStagesSpreadWhenCrossingsDominate) {
+  const std::vector<PartitionNode> nodes = block_chain(8);
+  const std::vector<PartitionCall> calls = block_calls(nodes);
+  const PartitionPlan plan = partition(nodes, priced(4, 100.0), calls);
+  expect_valid_plan(nodes, plan, 4, "dominant");
+  EXPECT_EQ(blocks_cut(nodes, plan), 0);
+  EXPECT_NEAR(plan.max_stage_cost, 0.25, kEps);
+  for (int b = 0; b < 8; ++b) EXPECT_EQ(plan.stage[2 + 3 * b], b / 2) << "block " << b;
+  // No cap: every stage but one takes a single module.
+  const PartitionPlan uncapped = partition(nodes, priced(4, 100.0, 1e9), calls);
+  expect_valid_plan(nodes, uncapped, 4, "uncapped");
+  EXPECT_GT(uncapped.max_stage_cost, 0.5);
+  EXPECT_LT(uncapped.max_stage_load, plan.max_stage_load);
+}
+
+// Hand-computed report: root (stage 0) -> a (stage 0), b (pinned to 1) -> b.c; the step function
+// calls the root. Only root -> b crosses: 3 calls, 300 + 200 bytes.
+TEST(PartitionCrossingsTest, LinksAndCrossingCostsByHand) {
+  std::vector<PartitionNode> nodes = {node("root", -1, 1), node("a", 0, 2), node("b", 0, 2),
+                                      node("b.c", 2, 1)};
+  nodes[1].pin = 0;
+  nodes[2].pin = 1;
+  const std::vector<PartitionCall> calls = {call(-1, 0, 1, 1e6, 1e6), call(0, 1, 1, 100, 60),
+                                            call(0, 2, 3, 300, 200), call(2, 3, 2, 50, 50)};
+  PartitionOptions options = priced(2, 0.001);
+  options.bandwidth = 1000;
+  const PartitionPlan plan = partition(nodes, options, calls);
+  expect_valid_plan(nodes, plan, 2, "by hand");
+  EXPECT_EQ(plan.stage, (std::vector<int>{0, 0, 1, 1}));
+  ASSERT_EQ(plan.links.size(), 1u);
+  const PartitionLink& link = plan.links[0];
+  EXPECT_EQ(link.first_stage, 0);
+  EXPECT_EQ(link.second_stage, 1);
+  EXPECT_EQ(link.calls, 3);
+  EXPECT_EQ(link.forward_bytes, 300);
+  EXPECT_EQ(link.backward_bytes, 200);
+  const double seconds = 2 * 0.001 * 3 + 500.0 / 1000;  // 0.506
+  EXPECT_NEAR(link.seconds, seconds, 1e-12);
+  const double kappa = seconds / (3 * 6);  // compute weight 1, total compute 6 seconds
+  EXPECT_NEAR(plan.stage_crossing_cost[0], kappa, 1e-12);
+  EXPECT_NEAR(plan.stage_crossing_cost[1], kappa, 1e-12);
+  EXPECT_NEAR(plan.max_stage_load, 0.5 + kappa, 1e-12);
+  // Unpriced, the same crossings are reported and cost nothing.
+  const PartitionPlan unpriced = partition(nodes, stages(2, 0), calls);
+  ASSERT_EQ(unpriced.links.size(), 1u);
+  EXPECT_NEAR(unpriced.links[0].seconds, 2 * 1e-3 * 3 + 500 / 2e9, 1e-12);
+  EXPECT_EQ(unpriced.stage_crossing_cost, (std::vector<double>{0, 0}));
+  EXPECT_NEAR(unpriced.max_stage_load, unpriced.max_stage_cost, kEps);
+}
+
+// The root's own work follows its calls: with the step function on stage 0 and the root's calls
+// all going to modules on stage 1, the root is placed where its crossings are fewest.
+TEST(PartitionCrossingsTest, RootFollowsItsCalls) {
+  // root -> [a, b, c, d] (cost 1 each); the root calls a and b once, c and d ten times each.
+  std::vector<PartitionNode> nodes = chain_tree(0.01, {1, 1, 1, 1});
+  const std::vector<PartitionCall> calls = {call(-1, 0), call(0, 1), call(0, 2), call(0, 3, 10),
+                                            call(0, 4, 10)};
+  const PartitionPlan plan = partition(nodes, priced(2, 0.01), calls);
+  expect_valid_plan(nodes, plan, 2, "root");
+  EXPECT_EQ(plan.stage, (std::vector<int>{1, 0, 0, 1, 1}));
+}
+
+TEST(PartitionCrossingsTest, RejectsInvalidCallsAndOptions) {
+  const std::vector<PartitionNode> nodes = chain_tree(0, {1, 2});
+  EXPECT_THROW(partition(nodes, stages(2), {call(-2, 1)}), Error);
+  EXPECT_THROW(partition(nodes, stages(2), {call(0, 3)}), Error);
+  EXPECT_THROW(partition(nodes, stages(2), {call(0, -1)}), Error);
+  try {
+    partition(nodes, stages(2), {call(0, 2, -1)});
+    FAIL() << "expected smp::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'layer1'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(partition(nodes, stages(2), {call(0, 1, 1, std::nan(""))}), Error);
+  EXPECT_THROW(partition(nodes, stages(2), {call(0, 1, 1, 0, -5)}), Error);
+  PartitionOptions bad = priced(2, 0.1);
+  bad.bandwidth = 0;
+  EXPECT_THROW(partition(nodes, bad, {}), Error);
+  bad = priced(2, -0.1);
+  EXPECT_THROW(partition(nodes, bad, {}), Error);
+  bad = priced(2, 0.1, -1);
+  EXPECT_THROW(partition(nodes, bad, {}), Error);
+  bad = priced(2, 0.1);
+  bad.seconds_per_compute = std::numeric_limits<double>::infinity();
+  EXPECT_THROW(partition(nodes, bad, {}), Error);
+  EXPECT_NO_THROW(partition(nodes, stages(2), {call(0, 0)}));  // a node calling itself: no cost
+}
+
+// The GPT-like tree (8k tokens per microbatch) with every module called by its parent and
+// block-sized activations crossing. At 70 GFLOP/s a block is ~1.6 s of forward and a crossing
+// ~50 ms, so splitting a block may pay; at 100 TFLOP/s a block is ~1 ms and blocks stay whole.
+// Either way the plan's largest load is at most that of the plan that ignores crossings.
+TEST(PartitionCrossingsTest, GptLikeModelKeepsBlocksWholeWhenCrossingsCost) {
+  const std::vector<PartitionNode> nodes = gpt_tree(24);
+  std::vector<PartitionCall> calls = parent_calls(nodes);
+  for (PartitionCall& c : calls) {
+    c.forward_bytes = 2 * 8 * 1024 * 768 * 4;
+    c.backward_bytes = c.forward_bytes;
+    if (c.caller == 2) c.caller = 0;  // the chain (a ModuleList) does not run: the root calls
+  }
+  for (double flops_per_second : {7e10, 1e14}) {
+    for (int p : {2, 4, 8}) {
+      PartitionOptions options = stages(p);
+      options.seconds_per_compute = 1 / flops_per_second;
+      options.crossing_latency = 1e-3;
+      options.bandwidth = 2e9;
+      const PartitionPlan plan = partition(nodes, options, calls);
+      const std::string where = "p=" + std::to_string(p) + " at " +
+                                (flops_per_second > 1e12 ? "100 TFLOP/s" : "70 GFLOP/s");
+      expect_valid_plan(nodes, plan, p, where);
+      const PartitionPlan blind = partition(nodes, stages(p));
+      EXPECT_LE(plan.max_stage_load,
+                stage_load(nodes, calls, options, plan.node_cost, blind.stage) + 1e-12)
+          << where;
+      std::vector<int> block_stages;
+      int split = 0;
+      for (std::size_t v = 0; v < nodes.size(); ++v) {
+        if (nodes[v].parent != 2) continue;
+        block_stages.push_back(plan.stage[v]);
+        for (std::size_t c = v + 1; c < v + 5; ++c) split += plan.stage[c] != plan.stage[v];
+      }
+      EXPECT_TRUE(std::is_sorted(block_stages.begin(), block_stages.end())) << where;
+      if (flops_per_second > 1e12) {
+        EXPECT_EQ(split, 0) << where;
+      }
+      std::cout << where << ": blocks split " << split << ", imbalance " << plan.imbalance
+                << ", largest load " << plan.max_stage_load << " (crossing-blind plan "
+                << stage_load(nodes, calls, options, plan.node_cost, blind.stage) << ")\n";
+    }
+  }
+}
+
+TEST(PartitionCrossingsTest, LargeRandomTreeWithCallsIsFast) {
+  std::mt19937 rng(12);
+  const std::vector<PartitionNode> nodes = random_tree(rng, 100000, 0.05, 0.01);
+  std::vector<PartitionCall> calls = parent_calls(nodes);
+  for (PartitionCall& c : calls) c.forward_bytes = 1e5;
+  for (int p : {2, 8}) {
+    PartitionOptions options = priced(p, 1e-4);
+    options.bandwidth = 1e9;
+    const auto start = std::chrono::steady_clock::now();
+    const PartitionPlan plan = partition(nodes, options, calls);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    expect_valid_plan(nodes, plan, p, "p=" + std::to_string(p));
+    std::cout << "100k nodes with calls, p=" << p << ": " << ms << " ms\n";
+    EXPECT_LT(ms, 5000);
+    const PartitionPlan blind = partition(nodes, stages(p, 0));
+    EXPECT_LE(plan.max_stage_load,
+              stage_load(nodes, calls, options, plan.node_cost, blind.stage) + 1e-12)
+        << p;
   }
 }
 

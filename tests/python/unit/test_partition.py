@@ -9,7 +9,7 @@ from models import tiny_gpt_config
 from torch import nn
 
 import smp
-from smp.partitioning import trace_modules
+from smp.partitioning import CrossingCosts, trace_modules
 
 
 class Bert(nn.Module):
@@ -216,3 +216,113 @@ def test_report_collapses_block_runs():
     assert _collapse_numbered(["h.0", "h.1", "h.2", "ln_f"]) == ["h.0–h.2", "ln_f"]
     assert _collapse_numbered(["h.0", "h.2"]) == ["h.0", "h.2"]
     assert "stage" in plan.report()
+
+
+# ---- crossings ----------------------------------------------------------------------------------
+
+
+def test_trace_records_callers_and_argument_bytes():
+    model = Reuse()
+    x = torch.randn(4, 8)
+    traces = trace_modules(model, lambda: model(x))
+    root = traces[""].callers
+    assert list(root) == [None]  # called by the code outside the model
+    assert root[None].calls == 1 and root[None].input_bytes == 4 * 8 * 4
+    assert root[None].output_bytes == 4 * 2 * 4
+    shared = traces["shared"].callers
+    assert list(shared) == [""]  # both calls made by the root's forward
+    assert shared[""].calls == 2
+    assert shared[""].input_bytes == shared[""].output_bytes == 2 * 4 * 64 * 4
+    assert shared[""].input_grad_bytes == shared[""].output_grad_bytes == 2 * 4 * 64 * 4
+    assert traces["shared"].input_bytes == 2 * 4 * 64 * 4
+
+
+class _ByHand(nn.Module):
+    """The root (stage 0) calls an embedding (stage 1) once and a linear layer (stage 1) twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 16)
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, ids):
+        h = torch.relu(self.a(self.embed(ids)))
+        return self.b(h) + self.b(h)
+
+
+def test_report_counts_crossings_and_bytes_by_hand():
+    model = _ByHand()
+    smp.set_partition(model, 0)
+    smp.set_partition(model.embed, 1)
+    smp.set_partition(model.b, 1)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    plan = smp.plan_partition(model, ids, 2)
+    assert plan.assignment == {"": 0, "embed": 1, "a": 0, "b": 1}
+    # embed: ids out (2·3 int64 = 48 B), (2, 3, 16) float32 back (384 B); backward: only the
+    # float output's gradient (384 B). b, twice: (2, 3, 16) out (384 B), (2, 3, 4) back (96 B);
+    # backward the same. Calls a (stage 0 from stage 0) and the root (from the step function,
+    # on stage 0) do not cross.
+    (link,) = plan.links
+    assert link.stages == (0, 1)
+    assert link.calls == 3
+    assert link.forward_bytes == (48 + 384) + 2 * (384 + 96) == 1392
+    assert link.backward_bytes == 384 + 2 * (384 + 96) == 1344
+    costs = CrossingCosts()
+    assert link.seconds == pytest.approx(2 * 3 * costs.latency_s + (1392 + 1344) / costs.bandwidth)
+    assert plan.crossings_priced
+    assert plan.stage_crossing_cost[0] == pytest.approx(plan.stage_crossing_cost[1])
+    assert plan.stage_crossing_cost[0] > 0
+    assert plan.max_stage_load == pytest.approx(
+        max(c + x for c, x in zip(plan.stage_cost, plan.stage_crossing_cost))
+    )
+    report = plan.report()
+    assert "stages 0-1: 3 calls, forward 1.4 KiB, backward 1.3 KiB" in report
+    # Unpriced: the same crossings, reported, cost nothing.
+    free = smp.plan_partition(model, ids, 2, crossing_costs=CrossingCosts(priced=False))
+    assert free.links == plan.links and free.stage_crossing_cost == [0.0, 0.0]
+    assert "not priced" in free.report()
+
+
+def _tiny_llama(layers: int):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _layers_cut(plan, layers: int) -> list[int]:
+    """Decoder layers whose modules are not all on one stage."""
+    cut = []
+    for i in range(layers):
+        prefix = f"model.layers.{i}"
+        stages = {
+            s for path, s in plan.assignment.items() if path.split(".")[:3] == prefix.split(".")
+        }
+        if len(stages) > 1:
+            cut.append(i)
+    return cut
+
+
+@pytest.mark.parametrize("layers", [4, 6, 8])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_hugging_face_llama_is_not_cut_inside_a_decoder_layer(layers, stages):
+    model = _tiny_llama(layers)
+    ids = torch.randint(0, 128, (2, 16))
+    plan = smp.plan_partition(model, ids, stages)
+    assert _layers_cut(plan, layers) == []
+    layer_stages = [plan.assignment[f"model.layers.{i}"] for i in range(layers)]
+    assert layer_stages == sorted(layer_stages)
+    assert set(plan.assignment.values()) == set(range(stages))
+    # What it saves: ignoring crossings, the same model is cut inside layers with more calls
+    # crossing, and its largest stage load (crossings priced) is higher.
+    free = smp.plan_partition(model, ids, stages, crossing_costs=CrossingCosts(priced=False))
+    if _layers_cut(free, layers):
+        assert sum(link.calls for link in free.links) > sum(link.calls for link in plan.links)
