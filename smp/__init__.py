@@ -18,6 +18,7 @@ from smp import comm, nn
 from smp.comm import *  # noqa: F403 - rank helpers, groups and object collectives
 from smp.config import Config
 from smp.model import DistributedModel
+from smp.nn.region import DivergentArgumentsError
 from smp.optimizer import DistributedOptimizer
 from smp.partitioning import PartitionPlan, partition, plan_partition, set_partition
 from smp.state import init, is_initialized, shutdown
@@ -48,6 +49,7 @@ __all__ = [
     "PartitionPlan",
     "StepOutput",
     "StepFailedError",
+    "DivergentArgumentsError",
     "microbatch",
     "last_step_timeline",
     "Timeline",

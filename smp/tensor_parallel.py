@@ -136,12 +136,17 @@ def tp_register(
 
 
 def _find_registration(module: nn.Module) -> _Registration | None:
+    """The registration of the module's class or of the nearest registered base class, unless a
+    class in between defines its own ``forward``: the distributed version would replace that
+    forward (e.g. OPT's learned positions, an ``nn.Embedding`` that offsets its ids)."""
     for klass in type(module).__mro__:
         if klass in _registry:
             return _registry[klass]
         convert = _lazy_registry.get(f"{klass.__module__}.{klass.__qualname__}")
         if convert is not None:
             return _Registration(convert=convert)
+        if "forward" in vars(klass):
+            return None
     return None
 
 
@@ -270,11 +275,21 @@ def distribute_marked_modules(root: nn.Module, group: Any) -> tuple[nn.Module, l
                 setattr(module, name, new_child)
         return module
 
-    return visit(root, ""), replaced
+    root = visit(root, "")
+    _name_regions(root)
+    return root, replaced
 
 
 def _is_distributed(module: nn.Module) -> bool:
     return isinstance(module, (DistributedModule, _ShardedBlock))
+
+
+def _name_regions(root: nn.Module) -> None:
+    """Names each distributed module by its path in the model: what the TP ranks compare when
+    they agree on a region's arguments, and what their errors call it (smp/nn/region.py)."""
+    for path, module in root.named_modules():
+        if _is_distributed(module):
+            module._smp_region_name = path or "<root>"
 
 
 def _parameter_owners(root: nn.Module) -> dict[int, set[str]]:

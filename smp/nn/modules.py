@@ -13,8 +13,10 @@ Layout (``optimize`` in the config, or the ``optimize`` argument):
 
 Batch semantics (api.md): by default each rank of a TP group holds different samples; the
 outermost distributed module (the "TP region") all-gathers the group's batch on entry and hands
-each rank its own samples back on exit. With ``prescaled_batch=True`` all ranks already hold the
-same batch and nothing is gathered.
+each rank its own samples back on exit; when the ranks' arguments differ (a padding mask on one
+rank, None on another; other lengths), it runs each rank's arguments in turn instead
+(smp/nn/region.py). With ``prescaled_batch=True`` all ranks already hold the same batch and
+nothing is gathered.
 
 Parameters carry two attributes that smp reads:
   - ``_smp_tp_split``: (dim, fused) if the parameter is a shard of a tensor split along ``dim``
@@ -27,11 +29,8 @@ Parameters carry two attributes that smp reads:
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smp.nn import functional as tpf
+from smp.nn.region import _region_scope, batch_is_shared, in_region, run_region
 
 __all__ = [
     "DistributedModule",
@@ -56,94 +56,14 @@ _OPTIMIZE = ("speed", "memory")
 
 
 # ---- regions ------------------------------------------------------------------------------------
-
-_region = threading.local()
-
-
-def in_region() -> bool:
-    """Whether this thread is inside a TP region (an outer distributed module's forward)."""
-    return getattr(_region, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def _region_scope() -> Iterator[None]:
-    _region.depth = getattr(_region, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _region.depth -= 1
-
-
-def _prescaled() -> bool:
-    from smp.state import get_state, is_initialized
-
-    return is_initialized() and get_state().config.prescaled_batch
+# The region entry and exit (smp's batch semantics, and the agreement of the TP ranks on a
+# region's arguments) live in smp/nn/region.py.
 
 
 def _config_optimize() -> str:
     from smp.state import get_state, is_initialized
 
     return get_state().config.optimize if is_initialized() else "speed"
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(o, fn) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
-    return obj
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    found: list[torch.Tensor] = []
-
-    def visit(t: torch.Tensor) -> torch.Tensor:
-        if not found:
-            found.append(t)
-        return t
-
-    _map_tensors(obj, visit)
-    return found[0] if found else None
-
-
-def run_region(module: DistributedModule, fn: Callable, args: tuple, kwargs: dict) -> Any:
-    """Runs ``fn(*args, **kwargs)`` as a TP region of ``module`` with smp's batch semantics.
-
-    Nested inside another region, on a group of one rank, or with ``prescaled_batch``: just runs
-    it. Otherwise every tensor argument whose first dimension equals the batch size (that of the
-    first tensor argument) is all-gathered along dim 0 (gather_from_region: its gradient comes back
-    as this rank's chunk), ``fn`` runs on the group's batch, and every output tensor whose first
-    dimension is the group's batch is cut back to this rank's samples (scatter_to_region). All
-    ranks of the group must pass the same batch size.
-    """
-    if in_region() or module.tp_size == 1 or _prescaled():
-        with _region_scope():
-            return fn(*args, **kwargs)
-    first = _first_tensor((args, kwargs))
-    if first is None or first.dim() == 0:
-        with _region_scope():
-            return fn(*args, **kwargs)
-    batch = first.size(0)
-    group = module.tp_group
-
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() >= 1 and t.size(0) == batch:
-            return tpf.gather_from_region(t, 0, group)
-        return t
-
-    def scatter(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() >= 1 and t.size(0) == batch * module.tp_size:
-            return tpf.scatter_to_region(t, 0, group)
-        return t
-
-    args, kwargs = _map_tensors((args, kwargs), gather)
-    with _region_scope():
-        output = fn(*args, **kwargs)
-    return _map_tensors(output, scatter)
 
 
 # ---- base ---------------------------------------------------------------------------------------
@@ -474,9 +394,28 @@ def _check_optimize(optimize: str | None) -> str:
     return optimize
 
 
+# What _check_divisible names when "memory" splits a batch that the TP ranks share.
+_SHARED_BATCH = (
+    "the batch size (optimize='memory' splits a batch the TP ranks share over them: with "
+    "prescaled_batch, or one rank's batch when the ranks' arguments differ)"
+)
+
+
 class _TransformerRegion:
     """Entry and exit of a transformer region: where hidden states and the attention mask go
     between each rank's own samples and the batch the sublayers compute on ("core batch")."""
+
+    @staticmethod
+    def run(module, body: Callable, hidden: torch.Tensor, mask: torch.Tensor | None):
+        """``body(hidden, mask)`` (the sublayers) as ``module``'s TP region, once the TP ranks
+        agreed on the arguments (run_region)."""
+
+        def region(hidden, mask):
+            hidden, mask, leave = _TransformerRegion.enter(module, hidden, mask)
+            with _region_scope():
+                return leave(body(hidden, mask))
+
+        return run_region(module, region, (hidden, mask), {}, moves_batch=False)
 
     @staticmethod
     def enter(module, hidden, mask):
@@ -485,12 +424,10 @@ class _TransformerRegion:
         if in_region() or n == 1:
             return hidden, mask, lambda h: h
         memory = module.optimize == "memory"
-        if _prescaled():
+        if batch_is_shared():
             if not memory:
                 return hidden, mask, lambda h: h
-            module._check_divisible(
-                "the batch size (prescaled_batch, optimize='memory')", hidden.size(0)
-            )
+            module._check_divisible(_SHARED_BATCH, hidden.size(0))
             return (
                 tpf.scatter_to_region(hidden, 0, group),
                 mask,
@@ -598,9 +535,7 @@ class DistributedAttentionLayer(DistributedModule):
         return x if self.pre_layernorm else self.layernorm(x)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        hidden, mask, leave = _TransformerRegion.enter(self, hidden_states, attention_mask)
-        with _region_scope():
-            return leave(self.sublayer(hidden, mask))
+        return _TransformerRegion.run(self, self.sublayer, hidden_states, attention_mask)
 
 
 def _full_mask(mask, causal: bool, s: int, dtype, device) -> torch.Tensor | None:
@@ -678,9 +613,7 @@ class DistributedTransformerOutputLayer(DistributedModule):
         return x if self.pre_layernorm else self.layernorm(x)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden, _, leave = _TransformerRegion.enter(self, hidden_states, None)
-        with _region_scope():
-            return leave(self.sublayer(hidden))
+        return _TransformerRegion.run(self, lambda h, _: self.sublayer(h), hidden_states, None)
 
 
 class DistributedTransformerLayer(DistributedModule):
@@ -741,9 +674,7 @@ class DistributedTransformerLayer(DistributedModule):
         return self.output.sublayer(self.attention.sublayer(x, mask))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        hidden, mask, leave = _TransformerRegion.enter(self, hidden_states, attention_mask)
-        with _region_scope():
-            return leave(self.sublayers(hidden, mask))
+        return _TransformerRegion.run(self, self.sublayers, hidden_states, attention_mask)
 
 
 class DistributedTransformer(DistributedModule):
@@ -765,9 +696,7 @@ class DistributedTransformer(DistributedModule):
         return x
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        hidden, mask, leave = _TransformerRegion.enter(self, hidden_states, attention_mask)
-        with _region_scope():
-            return leave(self.sublayers(hidden, mask))
+        return _TransformerRegion.run(self, self.sublayers, hidden_states, attention_mask)
 
 
 class DistributedTransformerLMHead(DistributedModule):
@@ -850,9 +779,14 @@ class DistributedTransformerLMHead(DistributedModule):
             _tag(self.layernorm, self.layout.replicated_reduce)
 
     def forward(self, input_ids, attention_mask=None, labels=None):
+        return run_region(
+            self, self._forward, (input_ids, attention_mask, labels), {}, moves_batch=False
+        )
+
+    def _forward(self, input_ids, attention_mask, labels):
         group, n = self.tp_group, self.tp_size
         top = not in_region() and n > 1
-        prescaled = _prescaled()
+        prescaled = batch_is_shared()
         memory = self.optimize == "memory"
         ids, mask = input_ids, attention_mask
         if top and not prescaled:  # the group's batch: every sublayer computes on it
@@ -862,9 +796,7 @@ class DistributedTransformerLMHead(DistributedModule):
             if mask is not None and mask.size(0) == input_ids.size(0):
                 mask = tpf.gather_from_region(mask, 0, group)
         if memory and top and prescaled:
-            self._check_divisible(
-                "the batch size (prescaled_batch, optimize='memory')", ids.size(0)
-            )
+            self._check_divisible(_SHARED_BATCH, ids.size(0))
         with _region_scope():
             partial = self.word_embedding.local(ids)
             if memory:  # between sublayers: this rank's chunk of the batch

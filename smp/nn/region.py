@@ -1,0 +1,718 @@
+"""TP regions: smp's batch semantics at a distributed module's entry and exit, and the agreement
+that keeps the ranks of a TP group in lockstep when their arguments differ.
+
+A *TP region* is the forward of the outermost distributed module (a :class:`DistributedModule`,
+or a Hugging Face block under a sharding plan). By default each rank of the TP group brings its
+own samples: the region all-gathers the group's batch at entry, runs on it, and hands each rank
+its own samples back at exit. The collectives inside are matched by order, so every rank must
+pass arguments of the same structure and shapes. Real data does not promise that: Hugging Face
+passes ``attention_mask=None`` for a batch without padding, and batches differ in length.
+
+Note [Region agreement]
+~~~~~~~~~~~~~~~~~~~~~~~
+At entry (smp's batch semantics only: not nested, tp > 1, not ``prescaled_batch``) each rank
+describes its call: the region's name, the grad mode, and every leaf of (args, kwargs): tensors
+by dtype, shape, requires_grad and device type; None, numbers, strings, dtypes and enum members
+by value; lists, tuples, named tuples and dicts by structure; anything else (a key/value cache, a
+module) by type. The region's name is its path in the model, so ranks in different regions show.
+The TP group all-gathers a 16-byte digest of that description. Equal digests: the region runs
+as it always did. Different digests: the full descriptions are all-gathered, and then
+  - a difference that cannot run (ranks in different regions, grad mode on some ranks only, an
+    object smp cannot send missing or of another type on some rank) raises on every rank,
+    naming the region, the ranks and the difference, before any collective of the region;
+  - anything else runs *in turn* (Note [Runs in turn]).
+Every rank takes the same branch: each decision is a function of the all-gathered descriptions.
+
+Note [Runs in turn]
+~~~~~~~~~~~~~~~~~~~
+For j = 0 .. n-1, every rank receives TP rank j's arguments and runs the region on them as if
+the group shared that batch (``prescaled_batch`` semantics); each rank keeps its own run's output.
+All ranks run identical code on identical data, so the forward collectives match.
+  - Entry: each tensor leaf of rank j travels as an all-reduce to which the other ranks add zeros
+    of the described shape (``reduce_from_region``: exact, since x + 0 = x; the leaves of one
+    dtype and requires_grad travel in one buffer). Its backward is the identity, as for
+    ``gather_from_region``: gradients inside a region are the same on every rank, so rank j's copy
+    holds the whole gradient. The other ranks' zeros require grad where rank j's leaf does, so
+    every rank records the same graph.
+  - Exit: each run's output passes ``copy_to_region`` (backward: an all-reduce of its gradient, to
+    which only the run's owner adds a non-zero term), and the local :class:`_KeepRun` joins all
+    runs into this rank's output, giving zeros to the other runs' in backward. So every rank's
+    backward reaches every run, and as the runs' graphs are the same on every rank and the autograd
+    engine runs ready nodes by decreasing sequence number, the backward collectives match too.
+  - Objects smp cannot send (a key/value cache): rank r's own run uses rank r's object; the other
+    runs use a fork of it taken before the first run (Python structure copied, tensors shared), so
+    the object sees only this rank's samples, as its outputs do. This is exact when the region
+    reads the same state from each rank's object, e.g. Hugging Face's cache in training (a fresh
+    cache every forward, so the block's entry is empty).
+The cost is n runs on one rank's samples each instead of one run on the group's batch: the same
+FLOPs in smaller pieces, n times the region's collective calls, and all-reduces of every rank's
+inputs (forward) and of the outputs' gradients (backward).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import enum
+import hashlib
+import itertools
+import logging
+import pickle
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from smp.nn import functional as tpf
+
+__all__ = ["in_region", "batch_is_shared", "run_region", "region_name", "DivergentArgumentsError"]
+
+logger = logging.getLogger("smp")
+
+
+class DivergentArgumentsError(ValueError):
+    """The ranks of a TP group called a region with arguments that cannot run together."""
+
+
+# ---- region state (per thread) -------------------------------------------------------------------
+
+_region = threading.local()
+
+
+def in_region() -> bool:
+    """Whether this thread is inside a TP region (an outer distributed module's forward)."""
+    return getattr(_region, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _region_scope() -> Iterator[None]:
+    _region.depth = getattr(_region, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _region.depth -= 1
+
+
+@contextlib.contextmanager
+def _shared_batch() -> Iterator[None]:
+    """Inside, every rank of the TP group holds the same batch (a run of Note [Runs in turn])."""
+    _region.shared = getattr(_region, "shared", 0) + 1
+    try:
+        yield
+    finally:
+        _region.shared -= 1
+
+
+def batch_is_shared() -> bool:
+    """Whether the ranks of a TP group hold the same batch: ``prescaled_batch``, or a region
+    running one rank's arguments on the whole group (Note [Runs in turn])."""
+    from smp.state import get_state, is_initialized
+
+    if getattr(_region, "shared", 0) > 0:
+        return True
+    return is_initialized() and get_state().config.prescaled_batch
+
+
+def region_name(module: nn.Module) -> str:
+    """The module's path in the model (set when smp.DistributedModel converts it), else its
+    class name: what agreement and error messages call the region."""
+    return getattr(module, "_smp_region_name", None) or type(module).__name__
+
+
+# ---- tensors in nested arguments ----------------------------------------------------------------
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+    return obj
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def visit(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    _map_tensors(obj, visit)
+    return found
+
+
+# ---- the region ---------------------------------------------------------------------------------
+
+
+def run_region(
+    module: nn.Module, fn: Callable, args: tuple, kwargs: dict, moves_batch: bool = True
+) -> Any:
+    """Runs ``fn(*args, **kwargs)`` as a TP region of ``module`` with smp's batch semantics.
+
+    Nested inside another region, on a group of one rank, with ``prescaled_batch``, or when the
+    primitives are local (``functional.local_only``): just runs it. Otherwise the TP group first
+    agrees on the arguments (Note [Region agreement]). If they match on every rank, every tensor
+    argument whose first dimension equals the batch size (that of the first tensor argument) is
+    all-gathered along dim 0 (gather_from_region: its gradient comes back as this rank's chunk),
+    ``fn`` runs on the group's batch, and every output tensor whose first dimension is the group's
+    batch is cut back to this rank's samples (scatter_to_region). If they differ, ``fn`` runs
+    once per rank's arguments (Note [Runs in turn]).
+
+    Args:
+        module: the distributed module (``tp_group``, ``tp_size``, ``tp_rank``).
+        moves_batch: False when ``fn`` moves the batch itself (it checks :func:`in_region` and
+            :func:`batch_is_shared` as above and enters the region scope).
+
+    Raises:
+        DivergentArgumentsError: on every rank of the group, when the ranks' arguments differ in
+            a way that cannot run (Note [Region agreement]).
+    """
+    if in_region() or module.tp_size == 1 or batch_is_shared() or tpf._local_only:
+        return _call(fn, args, kwargs, moves_batch)
+    mine = _Call.describe(module, args, kwargs)
+    specs = _agree(module, mine)
+    if specs is not None:
+        return _run_in_turn(module, fn, mine, specs, moves_batch)
+    if not moves_batch:
+        return fn(*args, **kwargs)
+    first = mine.tensors[0] if mine.tensors else None
+    if first is None or first.dim() == 0:
+        with _region_scope():
+            return fn(*args, **kwargs)
+    batch = first.size(0)
+    group = module.tp_group
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() >= 1 and t.size(0) == batch:
+            return tpf.gather_from_region(t, 0, group)
+        return t
+
+    def scatter(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() >= 1 and t.size(0) == batch * module.tp_size:
+            return tpf.scatter_to_region(t, 0, group)
+        return t
+
+    args, kwargs = _map_tensors((args, kwargs), gather)
+    with _region_scope():
+        output = fn(*args, **kwargs)
+    return _map_tensors(output, scatter)
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict, moves_batch: bool) -> Any:
+    if not moves_batch:
+        return fn(*args, **kwargs)
+    with _region_scope():
+        return fn(*args, **kwargs)
+
+
+# ---- describing a call --------------------------------------------------------------------------
+
+# Leaves described (and sent) by value, with enum members and slices of ints. Everything else
+# that is not a tensor, a torch.Size, a device or a container is an object smp cannot send:
+# described by its type only.
+_VALUES = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), torch.dtype)
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class _Call:
+    """One rank's call of a region, described (Note [Region agreement]).
+
+    ``spec`` is a tree of tuples holding only Python values and dtypes (its ``repr`` is the same
+    on every rank for the same call): ``("region", name, grad_enabled, args, kwargs)``, whose
+    nodes are ``("tensor", dtype, shape, requires_grad, device_type)``, ``("value", v)``,
+    ``("size", dims)``, ``("device", type)``, ``("list" | "tuple", children)``,
+    ``("namedtuple", name, children)``, ``("dict" | "OrderedDict", ((key, child), ...))`` and
+    ``("object", qualified type name)``.
+    ``tensors`` are the tensor leaves in the order of the spec, ``objects`` the leaves smp cannot
+    send and the named tuples' classes, by path.
+    """
+
+    def __init__(self, spec: tuple, tensors: list[torch.Tensor], objects: dict[tuple, Any]):
+        self.spec, self.tensors, self.objects = spec, tensors, objects
+
+    @classmethod
+    def describe(cls, module: nn.Module, args: tuple, kwargs: dict) -> _Call:
+        tensors: list[torch.Tensor] = []
+        objects: dict[tuple, Any] = {}
+
+        def node(obj: Any, path: tuple) -> tuple:
+            if isinstance(obj, torch.Tensor):
+                tensors.append(obj)
+                return ("tensor", obj.dtype, tuple(obj.shape), obj.requires_grad, obj.device.type)
+            kind = type(obj)
+            if kind in _VALUES or isinstance(obj, enum.Enum) or _is_int_slice(obj):
+                return ("value", obj)
+            if kind is torch.Size:
+                return ("size", tuple(obj))
+            if kind is torch.device:
+                return ("device", obj.type)
+            if kind in (list, tuple):
+                return (kind.__name__, tuple(node(v, (*path, i)) for i, v in enumerate(obj)))
+            if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+                objects[path] = kind
+                children = tuple(node(v, (*path, i)) for i, v in enumerate(obj))
+                return ("namedtuple", _qualified(kind), children)
+            if kind in (dict, collections.OrderedDict) and all(type(k) in (str, int) for k in obj):
+                return (kind.__name__, tuple((k, node(v, (*path, k))) for k, v in obj.items()))
+            objects[path] = obj
+            return ("object", _qualified(kind))
+
+        spec = (
+            "region",
+            region_name(module),
+            torch.is_grad_enabled(),
+            node(tuple(args), ("args",)),
+            node(dict(kwargs), ("kwargs",)),
+        )
+        return cls(spec, tensors, objects)
+
+    def digest(self) -> torch.Tensor:
+        """16 bytes of a hash of the spec, as 2 int64 (the fast path of the agreement)."""
+        raw = hashlib.blake2b(repr(self.spec).encode(), digest_size=16).digest()
+        return torch.frombuffer(bytearray(raw), dtype=torch.int64)
+
+
+def _is_int_slice(obj: Any) -> bool:
+    return type(obj) is slice and all(
+        type(v) in (int, type(None)) for v in (obj.start, obj.stop, obj.step)
+    )
+
+
+def _tensor_nodes(node: tuple) -> Iterator[tuple]:
+    """The tensor nodes of a spec, in order."""
+    kind = node[0]
+    if kind == "tensor":
+        yield node
+    elif kind in ("list", "tuple"):
+        for child in node[1]:
+            yield from _tensor_nodes(child)
+    elif kind == "namedtuple":
+        for child in node[2]:
+            yield from _tensor_nodes(child)
+    elif kind in ("dict", "OrderedDict"):
+        for _, child in node[1]:
+            yield from _tensor_nodes(child)
+    elif kind == "region":
+        yield from _tensor_nodes(node[3])
+        yield from _tensor_nodes(node[4])
+
+
+def _placed(node: tuple, path: tuple, out: dict[tuple, tuple]) -> dict[tuple, tuple]:
+    """Path -> node of every leaf a rank must supply itself (objects, named tuples' classes)."""
+    kind = node[0]
+    if kind == "object":
+        out[path] = node
+    elif kind in ("list", "tuple"):
+        for i, child in enumerate(node[1]):
+            _placed(child, (*path, i), out)
+    elif kind == "namedtuple":
+        out[path] = ("namedtuple", node[1])
+        for i, child in enumerate(node[2]):
+            _placed(child, (*path, i), out)
+    elif kind in ("dict", "OrderedDict"):
+        for key, child in node[1]:
+            _placed(child, (*path, key), out)
+    return out
+
+
+def _where(path: tuple) -> str:
+    """``args[1]``, ``attention_mask``, ``position_embeddings[0]``: a path for humans."""
+    if path[0] == "args":
+        text = f"argument {path[1]}" if len(path) > 1 else "the positional arguments"
+        rest = path[2:]
+    else:
+        text = str(path[1]) if len(path) > 1 else "the keyword arguments"
+        rest = path[2:]
+    return text + "".join(f"[{p!r}]" for p in rest)
+
+
+def _what(node: tuple | None) -> str:
+    """A spec node for humans."""
+    if node is None:
+        return "nothing"
+    kind = node[0]
+    if kind == "tensor":
+        _, dtype, shape, requires_grad, device = node
+        grad = " requiring grad" if requires_grad else ""
+        return f"a {str(dtype).removeprefix('torch.')} tensor of shape {list(shape)}{grad}"
+    if kind == "size":
+        return f"torch.Size({list(node[1])})"
+    if kind == "value":
+        text = repr(node[1])
+        return text if len(text) <= 40 else text[:37] + "..."
+    if kind == "device":
+        return f"a {node[1]} device"
+    if kind in ("list", "tuple", "dict", "OrderedDict"):
+        return f"a {kind} of {len(node[1])}"
+    if kind == "namedtuple":
+        return f"a {node[1].rsplit('.', 1)[-1]}"
+    return f"a {node[1].rsplit('.', 1)[-1]}"
+
+
+def _first_difference(a: tuple, b: tuple, path: tuple) -> tuple[tuple, tuple | None, tuple | None]:
+    """(path, node of a, node of b) where two argument specs first differ, or () if equal."""
+    if a == b:
+        return ()
+    kinds = (a[0], b[0])
+    if kinds[0] != kinds[1] or kinds[0] in ("tensor", "value", "size", "device", "object"):
+        return (path, a, b)
+    if kinds[0] in ("list", "tuple", "namedtuple"):
+        ca, cb = (a[2], b[2]) if kinds[0] == "namedtuple" else (a[1], b[1])
+        if kinds[0] == "namedtuple" and a[1] != b[1]:
+            return (path, a, b)
+        for i in range(max(len(ca), len(cb))):
+            if i >= len(ca) or i >= len(cb):
+                return ((*path, i), ca[i] if i < len(ca) else None, cb[i] if i < len(cb) else None)
+            found = _first_difference(ca[i], cb[i], (*path, i))
+            if found:
+                return found
+        return (path, a, b)
+    da, db = dict(a[1]), dict(b[1])  # dicts
+    for key in list(da) + [k for k in db if k not in da]:
+        if key not in da or key not in db:
+            return ((*path, key), da.get(key), db.get(key))
+        found = _first_difference(da[key], db[key], (*path, key))
+        if found:
+            return found
+    return (path, a, b)  # same items, another order
+
+
+def _describe_difference(specs: list[tuple], a: int, b: int) -> str:
+    """How TP ranks ``a`` and ``b`` called the region differently, in one phrase."""
+    for index, root in ((3, ("args",)), (4, ("kwargs",))):
+        found = _first_difference(specs[a][index], specs[b][index], root)
+        if found:
+            path, na, nb = found
+            return f"{_where(path)} is {_what(na)} on TP rank {a} and {_what(nb)} on TP rank {b}"
+    return f"TP ranks {a} and {b} called it the same way"
+
+
+# ---- agreement ----------------------------------------------------------------------------------
+
+
+def _exchange(group: Any, mine: torch.Tensor) -> torch.Tensor:
+    """All-gather of equal-sized 1-d tensors along dim 0 (no autograd: integer tensors)."""
+    return tpf.gather_from_region(mine.to(_collective_device(group)), 0, group).cpu()
+
+
+def _collective_device(group: Any) -> torch.device:
+    from smp.state import get_state, is_initialized
+
+    if is_initialized() and get_state().device.type == "cuda":
+        return get_state().device
+    return torch.device("cpu")
+
+
+def _all_gather_bytes(group: Any, data: bytes) -> list[bytes]:
+    n = group.size()
+    sizes = _exchange(group, torch.tensor([len(data)], dtype=torch.int64))
+    longest = int(sizes.max())
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = _exchange(group, mine).view(n, longest)
+    return [everyone[i, : int(sizes[i])].numpy().tobytes() for i in range(n)]
+
+
+_announced = False  # the first region whose ranks' arguments differ is logged once
+
+
+def _agree(module: nn.Module, mine: _Call) -> list[tuple] | None:
+    """None if every rank of the group called the region the same way; else every rank's spec,
+    after checking that the calls can run in turn (Note [Region agreement])."""
+    global _announced
+    group, n = module.tp_group, module.tp_size
+    digests = _exchange(group, mine.digest()).tolist()  # 2 int64 per rank
+    if digests == digests[:2] * n:
+        return None
+    try:
+        data = pickle.dumps(mine.spec)
+    except Exception as exc:  # noqa: BLE001 - a value that does not pickle: every rank raises
+        data = pickle.dumps(("unsendable", f"{type(exc).__name__}: {exc}"))
+    specs = [pickle.loads(b) for b in _all_gather_bytes(group, data)]
+    problem = _cannot_run(specs)
+    if problem is not None:
+        raise DivergentArgumentsError(
+            f"smp: the tensor-parallel ranks called {region_name(module)} "
+            f"({type(module).__name__}){_microbatch()} with arguments that cannot run together: "
+            f"{problem[0]}. {problem[1]} (Raised on every rank of the TP group; this is TP rank "
+            f"{module.tp_rank}.)"
+        )
+    if not _announced:
+        _announced = True
+        other = next(j for j in range(n) if specs[j] != specs[0])
+        logger.info(
+            "smp: the tensor-parallel ranks' arguments to %s differ (%s): a region whose ranks' "
+            "arguments differ runs each rank's arguments in turn on the whole group (exact; the "
+            "same work in %d runs). Logged once.",
+            region_name(module),
+            _describe_difference(specs, 0, other),
+            n,
+        )
+    return specs
+
+
+def _microbatch() -> str:
+    from smp.state import get_state, is_initialized
+
+    mb = get_state().microbatch if is_initialized() else None
+    return f" in microbatch {mb}" if mb is not None else ""
+
+
+def _node_at(spec: tuple, path: tuple) -> tuple | None:
+    """The node of a region spec at ``path`` (as built by ``_Call.describe``), None if absent."""
+    node = spec[3] if path[0] == "args" else spec[4]
+    for key in path[1:]:
+        kind = node[0]
+        if kind in ("list", "tuple", "namedtuple"):
+            children = node[2] if kind == "namedtuple" else node[1]
+            if not isinstance(key, int) or key >= len(children):
+                return None
+            node = children[key]
+        elif kind in ("dict", "OrderedDict"):
+            node = dict(node[1]).get(key)
+            if node is None:
+                return None
+        else:
+            return None
+    return node
+
+
+def _cannot_run(specs: list[tuple]) -> tuple[str, str] | None:
+    """(what differs, the fix) if the calls cannot run in turn, else None. It reads only the
+    all-gathered specs, so every rank decides the same."""
+    n = len(specs)
+    for j, spec in enumerate(specs):
+        if spec[0] == "unsendable":
+            return (
+                f"TP rank {j}'s arguments differ from its peers' and hold a value smp cannot "
+                f"send ({spec[1]})",
+                "Pass plain values (numbers, strings, None, enum members) or give the ranks "
+                "arguments of the same shapes.",
+            )
+    names = [s[1] for s in specs]
+    if len(set(names)) > 1:
+        listing = ", ".join(f"TP rank {j} in {name}" for j, name in enumerate(names))
+        return (
+            f"the ranks are in different regions ({listing})",
+            "The ranks of a TP group must call their distributed modules in the same order (the "
+            "same branches and loop counts).",
+        )
+    grad = [s[2] for s in specs]
+    if len(set(grad)) > 1:
+        on = [j for j in range(n) if grad[j]]
+        off = [j for j in range(n) if not grad[j]]
+        return (
+            f"grad mode is on for TP ranks {on} and off for TP ranks {off}, so the backward "
+            "would run on some ranks only",
+            "Run the region under torch.no_grad() on every rank of the group or on none.",
+        )
+    placed = [{**_placed(s[3], ("args",), {}), **_placed(s[4], ("kwargs",), {})} for s in specs]
+    for j in range(n):
+        for r in range(n):
+            for path, node in placed[j].items():
+                if placed[r].get(path) == node:
+                    continue
+                here = (
+                    f"{_where(path)} is {_what(node)} on TP rank {j} and "
+                    f"{_what(_node_at(specs[r], path))} on TP rank {r}"
+                )
+                first = _describe_difference(specs, j, r)
+                also = f" (and {first})" if first != here else ""
+                return (
+                    f"{here}{also}. Ranks whose arguments differ run each rank's arguments in "
+                    "turn, and an object that is not a tensor, number, string or None (or a list, "
+                    "tuple or dict of these) cannot be sent between ranks: every rank needs one "
+                    "of the same type in the same place",
+                    "Pass objects of the same type in the same places on every rank (or None on "
+                    "every rank).",
+                )
+    return None
+
+
+# ---- runs in turn -------------------------------------------------------------------------------
+
+
+def _local_device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def _receive(spec: tuple, mine: list[torch.Tensor] | None, group: Any) -> list[torch.Tensor]:
+    """The tensor leaves of the call described by ``spec`` (this rank's own: ``mine``), on every
+    rank: one all-reduce per (dtype, requires_grad, device type) to which the other ranks add
+    zeros (Note [Runs in turn])."""
+    nodes = list(_tensor_nodes(spec))
+    grad = torch.is_grad_enabled()
+    buckets: dict[tuple, list[int]] = {}
+    for i, (_, dtype, _, requires_grad, device) in enumerate(nodes):
+        buckets.setdefault((dtype, requires_grad and grad, device), []).append(i)
+    received: list[torch.Tensor | None] = [None] * len(nodes)
+    for (dtype, requires_grad, device), members in buckets.items():
+        wire = torch.uint8 if dtype == torch.bool else dtype  # gloo has no bool
+        sizes = [torch.Size(nodes[i][2]).numel() for i in members]
+        if mine is not None:
+            flat = torch.cat([mine[i].reshape(-1).to(wire) for i in members])
+        else:
+            flat = torch.zeros(
+                sum(sizes), dtype=wire, device=_local_device(device), requires_grad=requires_grad
+            )
+        if flat.numel():
+            flat = tpf.reduce_from_region(flat, group)
+        for i, piece in zip(members, flat.split(sizes)):
+            piece = piece.view(nodes[i][2])
+            received[i] = piece.bool() if dtype == torch.bool else piece
+    return received  # type: ignore[return-value]
+
+
+def _rebuild(
+    spec: tuple, tensors: list[torch.Tensor], objects: dict[tuple, Any]
+) -> tuple[tuple, dict]:
+    """The (args, kwargs) that ``spec`` describes, from its tensor leaves and this rank's objects
+    (the check in :func:`_cannot_run` guarantees that each is there)."""
+    leaves = iter(tensors)
+
+    def build(node: tuple, path: tuple) -> Any:
+        kind = node[0]
+        if kind == "tensor":
+            return next(leaves)
+        if kind == "value":
+            return node[1]
+        if kind == "size":
+            return torch.Size(node[1])
+        if kind == "device":
+            return _local_device(node[1])
+        if kind == "list":
+            return [build(c, (*path, i)) for i, c in enumerate(node[1])]
+        if kind == "tuple":
+            return tuple(build(c, (*path, i)) for i, c in enumerate(node[1]))
+        if kind == "namedtuple":
+            return objects[path](*(build(c, (*path, i)) for i, c in enumerate(node[2])))
+        if kind == "dict":
+            return {k: build(c, (*path, k)) for k, c in node[1]}
+        if kind == "OrderedDict":
+            return collections.OrderedDict((k, build(c, (*path, k))) for k, c in node[1])
+        return objects[path]
+
+    return build(spec[3], ("args",)), build(spec[4], ("kwargs",))
+
+
+def _fork(objects: dict[tuple, Any]) -> dict[tuple, Any]:
+    """Forks of this rank's objects for another rank's run: the Python structure (objects with a
+    ``__dict__``, lists, dicts, sets, tuples) is copied, so changes that rebind (a key/value cache
+    appending a step) stay in the fork; tensors, modules, classes and functions are shared."""
+    memo: dict[int, Any] = {}
+    shared = (torch.Tensor, nn.Module, type, types.FunctionType, types.MethodType)
+
+    def fork(obj: Any) -> Any:
+        if id(obj) in memo:
+            return memo[id(obj)]
+        if isinstance(obj, shared) or type(obj) in _VALUES:
+            return obj
+        if type(obj) is list:
+            new: Any = []
+            memo[id(obj)] = new
+            new.extend(fork(v) for v in obj)
+        elif type(obj) in (dict, collections.OrderedDict):
+            new = type(obj)()
+            memo[id(obj)] = new
+            new.update((k, fork(v)) for k, v in obj.items())
+        elif type(obj) in (set, tuple):
+            new = type(obj)(fork(v) for v in obj)
+            memo[id(obj)] = new
+        elif hasattr(obj, "__dict__"):
+            new = copy.copy(obj)
+            if new is obj:  # a singleton, or a class that does not copy: shared
+                return obj
+            memo[id(obj)] = new
+            for key, value in vars(obj).items():
+                vars(new)[key] = fork(value)
+        else:
+            return obj
+        return new
+
+    return {path: obj if isinstance(obj, type) else fork(obj) for path, obj in objects.items()}
+
+
+class _KeepRun(torch.autograd.Function):
+    """This rank's run's tensors, out of every run's (forward); zeros to the other runs'
+    (backward). Joins every run to this rank's graph (Note [Runs in turn])."""
+
+    @staticmethod
+    def forward(ctx, run: int, counts: tuple[int, ...], *tensors: torch.Tensor):
+        start = sum(counts[:run])
+        ctx.own = (start, start + counts[run])
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.clone() for t in tensors[start : start + counts[run]])
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        start, end = ctx.own
+        out = [
+            grads[i - start]
+            if start <= i < end and grads[i - start] is not None
+            else torch.zeros(shape, dtype=dtype, device=device)
+            for i, (shape, dtype, device) in enumerate(ctx.meta)
+        ]
+        return (None, None, *out)
+
+
+def _keep_own(outputs: list[Any], rank: int, group: Any) -> Any:
+    """This rank's output of the runs, joined to every run for the backward (Note [Runs in
+    turn]): each run's floating-point tensors travel in one buffer per (dtype, device)."""
+    buffers: list[torch.Tensor] = []
+    counts: list[int] = []
+    layouts: list[list[tuple[list[int], list[torch.Size]]]] = []
+    for out in outputs:
+        leaves = [t for t in _tensors_of(out) if t.is_floating_point()]
+        buckets: dict[tuple, list[int]] = {}
+        for i, t in enumerate(leaves):
+            buckets.setdefault((t.dtype, t.device), []).append(i)
+        layout = []
+        for members in buckets.values():
+            parts = [leaves[i].reshape(-1) for i in members]
+            flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # _KeepRun copies it
+            buffers.append(tpf.copy_to_region(flat, group) if flat.requires_grad else flat)
+            layout.append((members, [leaves[i].shape for i in members]))
+        counts.append(len(layout))
+        layouts.append(layout)
+    if not any(b.requires_grad for b in buffers):
+        return outputs[rank]
+    kept = _KeepRun.apply(rank, tuple(counts), *buffers)
+    replaced: dict[int, torch.Tensor] = {}
+    for flat, (members, shapes) in zip(kept, layouts[rank]):
+        pieces = flat.split([s.numel() for s in shapes])
+        for i, piece, shape in zip(members, pieces, shapes):
+            replaced[i] = piece.view(shape)
+    position = itertools.count()
+
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        return replaced[next(position)] if t.is_floating_point() else t
+
+    return _map_tensors(outputs[rank], swap)
+
+
+def _run_in_turn(
+    module: nn.Module, fn: Callable, mine: _Call, specs: list[tuple], moves_batch: bool
+) -> Any:
+    """Runs the region once per TP rank's arguments on every rank (Note [Runs in turn])."""
+    group, rank = module.tp_group, module.tp_rank
+    forks = [None if j == rank else _fork(mine.objects) for j in range(len(specs))]
+    outputs = []
+    for j, spec in enumerate(specs):
+        tensors = _receive(spec, mine.tensors if j == rank else None, group)
+        args, kwargs = _rebuild(spec, tensors, mine.objects if j == rank else forks[j])
+        with _shared_batch():
+            outputs.append(_call(fn, args, kwargs, moves_batch))
+    return _keep_own(outputs, rank, group)
