@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -103,9 +104,20 @@ class DistributedModel(nn.Module):
 
         self.distributed_modules: list[str] = []  # paths replaced by tensor-parallel versions
         if cfg.tensor_parallel_degree > 1:
+            from smp.nn.lm_head import distribute_lm_head
             from smp.tensor_parallel import distribute_marked_modules
 
+            # A causal LM's head (and its tied input embedding) first: the two are split
+            # together, along the vocabulary, which the module-by-module walk cannot do.
+            heads, why_not = distribute_lm_head(module, state.groups["tp"])
+            if why_not is not None:
+                warnings.warn(
+                    f"smp: the output head of {type(module).__name__} is marked for tensor "
+                    f"parallelism but is not split along the vocabulary: {why_not}",
+                    stacklevel=2,
+                )
             module, self.distributed_modules = distribute_marked_modules(module, state.groups["tp"])
+            self.distributed_modules = heads + self.distributed_modules
             if state.rank == 0 and self.distributed_modules:
                 logger.info(
                     "smp: %d module(s) split over tensor_parallel_degree %d: %s",
@@ -246,7 +258,9 @@ class DistributedModel(nn.Module):
         return self.module.load_state_dict(mine, strict=False, assign=assign)
 
     def _split_params(self) -> dict[str, torch.Tensor]:
-        return {n: p for n, p in self.module.named_parameters() if _is_shard(p)}
+        # Every name of a shared (tied) parameter: the state dict has a key for each.
+        named = self.module.named_parameters(remove_duplicate=False)
+        return {n: p for n, p in named if _is_shard(p)}
 
     def _unshard_tp(self, local: dict[str, Any]) -> dict[str, Any]:
         """Full shapes for the TP shards of a state dict (a collective over the TP group)."""

@@ -46,16 +46,32 @@ _local_only = 0
 
 @contextlib.contextmanager
 def local_only() -> Iterator[None]:
-    """Inside, every primitive acts as on a group of one rank: no communication, each rank
-    computes with its own shards and its own samples. Shapes stay consistent (each primitive and
-    its partner both become the identity). Used when one rank runs the model alone: the
-    partitioner's tracing pass on rank 0."""
+    """Inside, no primitive communicates: each one returns a tensor of the shape it would
+    return with the whole group (a gather repeats this rank's part ``size`` times, a scatter
+    or reduce-scatter keeps this rank's chunk, a reduction keeps this rank's value), so every
+    distributed module computes on the shapes, and costs, it has in training; the values are
+    not the group's. Used when one rank runs the model alone: the partitioner's tracing pass on
+    rank 0. (Turning each primitive into the identity instead broke modules that enter the
+    region from a whole tensor: a hidden-split LayerNorm or a row-split Linear then saw the
+    full width against its shard.)"""
     global _local_only
     _local_only += 1
     try:
         yield
     finally:
         _local_only -= 1
+
+
+def _local_chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``local_only``: this rank's chunk of ``x`` along ``dim``, as a scatter would give it."""
+    g = tp_group(group)
+    return x.chunk(g.size(), dim)[g.rank()] if g.size() > 1 else x
+
+
+def _local_repeat(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``local_only``: ``x`` repeated along ``dim`` to the shape a gather would give."""
+    g = tp_group(group)
+    return torch.cat([x] * g.size(), dim) if g.size() > 1 else x
 
 
 def tp_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
@@ -86,7 +102,7 @@ def scatter_to_region(
 ) -> torch.Tensor:
     """This rank's chunk along ``dim`` forward; all-gather of the gradient backward."""
     if _local_only:
-        return x
+        return _local_chunk(x, dim, group)
     return _C.tp.scatter_to_region(x, dim, tp_group(group))
 
 
@@ -97,7 +113,7 @@ def gather_from_region(
 
     Works for any dtype: bool tensors are sent as uint8 (gloo has no bool)."""
     if _local_only:
-        return x
+        return _local_repeat(x, dim, group)
     if x.dtype == torch.bool:
         return _C.tp.gather_from_region(x.to(torch.uint8), dim, tp_group(group)).bool()
     return _C.tp.gather_from_region(x, dim, tp_group(group))
@@ -106,14 +122,14 @@ def gather_from_region(
 def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None):
     """Reduce-scatter (SUM) along ``dim`` forward; all-gather of the gradient backward."""
     if _local_only:
-        return x
+        return _local_chunk(x, dim, group)
     return _C.tp.reduce_scatter(x, dim, tp_group(group))
 
 
 def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None):
     """All-gather along ``dim`` forward; reduce-scatter (SUM) of the gradient backward."""
     if _local_only:
-        return x
+        return _local_repeat(x, dim, group)
     return _C.tp.all_gather(x, dim, tp_group(group))
 
 

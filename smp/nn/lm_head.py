@@ -1,0 +1,324 @@
+"""Vocab-parallel output heads for Hugging Face causal language models (design.md §6b).
+
+A causal LM's output projection (``lm_head``, [vocab, hidden]) is usually its largest matrix and
+its logits ([batch, sequence, vocab]) its largest activation. When the head is marked for tensor
+parallelism (``with smp.tensor_parallelism():`` around the model), smp splits it along the
+vocabulary — each TP rank holds ``vocab / n`` rows — and keeps the logits split:
+
+  - :class:`VocabParallelHead` computes this rank's vocabulary columns of the logits for the
+    group's batch (the "core batch": every TP rank's samples, or the shared batch with
+    ``prescaled_batch``), never gathering them;
+  - with ``labels``, the model's loss is :func:`causal_lm_loss`: Hugging Face's causal-LM loss
+    (labels shifted inside, ``-100`` ignored, mean over counted tokens or a sum divided by
+    ``num_items_in_batch``) computed with the vocab-parallel cross-entropy, so the full logits
+    never exist; the output's ``logits`` is then None (asking for them would gather the largest
+    activation of the model);
+  - without ``labels``, the output's ``logits`` are the full logits of this rank's samples
+    (gathered over the vocabulary), as in one process.
+
+A head tied to the input embedding (GPT-2, OPT, and any ``tie_word_embeddings`` model) shares
+one parameter with the vocab-parallel input embedding: both split the vocabulary the same way,
+so each rank holds one shard of the tied matrix.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from smp.nn import functional as tpf
+from smp.nn.modules import DistributedEmbedding, DistributedModule
+from smp.nn.region import DivergentArgumentsError, _region_scope, batch_is_shared, in_region
+
+__all__ = ["VocabParallelHead", "causal_lm_loss", "full_logits", "distribute_lm_head"]
+
+
+class VocabParallelHead(DistributedModule):
+    """An output projection split along the vocabulary.
+    Reference: ``nn.Linear(in_features, out_features, bias=False)`` with
+    ``out_features`` the vocabulary.
+
+    ``forward(hidden)`` returns this rank's ``out_features / n`` columns of the logits of the
+    TP group's tokens: every position of every sample is one row, each rank's tokens padded to
+    the longest rank's count ``T`` and stacked in rank order, [n·T, V/n] (with
+    ``prescaled_batch``, this rank's tokens only, which the group shares). So the ranks may
+    bring batches of different sizes and lengths. :func:`causal_lm_loss` and
+    :func:`full_logits` take it from there.
+
+    Args:
+        weight: a parameter already holding this rank's rows (the tied input embedding's), or
+        full_weight: the whole [out_features, in_features] matrix to take this rank's rows from.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: dist.ProcessGroup | None = None,
+        weight: nn.Parameter | None = None,
+        full_weight: torch.Tensor | None = None,
+    ):
+        super().__init__(group)
+        self._check_divisible("out_features (the vocabulary)", out_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.vocab_start = self.tp_rank * (out_features // self.tp_size)
+        if weight is not None:
+            self.weight = weight
+        else:
+            if full_weight is None:
+                raise ValueError("VocabParallelHead needs weight or full_weight")
+            self.weight = self._shard(full_weight.detach().clone(), 0)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        group = self.tp_group
+        tokens = hidden.reshape(-1, hidden.size(-1))
+        if _batch_semantics(self.tp_size):
+            tokens = tpf.gather_from_region(_pad_rows(tokens, _longest(tokens, group)), 0, group)
+        with _region_scope():
+            return F.linear(tpf.copy_to_region(tokens, group), self.weight)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"split=vocabulary, tp={self.tp_size}"
+        )
+
+
+def _longest(rows: torch.Tensor, group: dist.ProcessGroup) -> int:
+    """The largest row count of ``rows`` over the TP group (one all-gather of an integer)."""
+    mine = torch.tensor([rows.size(0)], dtype=torch.int64, device=rows.device)
+    return int(tpf.gather_from_region(mine, 0, group).max())
+
+
+def _pad_rows(rows: torch.Tensor, count: int, value: float = 0) -> torch.Tensor:
+    """``rows`` with rows of ``value`` appended up to ``count`` along dim 0."""
+    if rows.size(0) == count:
+        return rows
+    pad = [0, 0] * (rows.dim() - 1) + [0, count - rows.size(0)]
+    return F.pad(rows, pad, value=value)
+
+
+def _batch_semantics(tp_size: int) -> bool:
+    """Whether the head's core batch is the group's samples gathered (smp's default)."""
+    return tp_size > 1 and not batch_is_shared() and not in_region()
+
+
+def _group_and_size() -> tuple[dist.ProcessGroup, int]:
+    group = tpf.tp_group(None)
+    return group, group.size()
+
+
+def causal_lm_loss(
+    vocab_size: int,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **_: Any,
+) -> torch.Tensor:
+    """Hugging Face's causal-LM loss from vocab-split logits of the core batch
+    (:class:`VocabParallelHead`), for this rank's samples: the same value and gradients as
+    ``ForCausalLMLoss`` on the full logits of this rank's samples."""
+    group, n = _group_and_size()
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    shift_labels = shift_labels.to(logits.device)
+    targets = shift_labels.reshape(-1)  # one per token, in the head's order
+    mine = targets.size(0)
+    if _batch_semantics(n):  # every rank's tokens, each padded to the head's row count
+        targets = _pad_rows(targets, logits.size(0) // n, ignore_index)
+        targets = tpf.gather_from_region(targets, 0, group)
+    vocab_start = group.rank() * (vocab_size // n)
+    with _region_scope():
+        per_token = tpf.vocab_parallel_cross_entropy(
+            logits.float(), targets, vocab_start, group, ignore_index
+        )
+    if _batch_semantics(n):
+        per_token = tpf.scatter_to_region(per_token, 0, group)[:mine]
+    total = per_token.sum()
+    if num_items_in_batch is None:
+        return total / (shift_labels != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def full_logits(split: torch.Tensor, batch: int) -> torch.Tensor:
+    """The whole logits [batch, ..., V] of this rank's samples from :class:`VocabParallelHead`'s
+    output, when every rank brought the same number of tokens (checked by the caller)."""
+    group, n = _group_and_size()
+    out = tpf.gather_from_region(split, -1, group)
+    if _batch_semantics(n):
+        out = tpf.scatter_to_region(out, 0, group)
+    return out.view(batch, -1, out.size(-1))
+
+
+_lm_classes: dict[type, type] = {}
+
+
+def _vocab_parallel_lm_class(cls: type) -> type:
+    """A subclass of a Hugging Face causal LM class whose outputs hold what the caller expects of
+    the vocab-split head: no logits when the loss was computed from them, full logits else."""
+    if cls in _lm_classes:
+        return _lm_classes[cls]
+    signature = inspect.signature(cls.forward)
+
+    def forward(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs).arguments
+        labels = bound.get("labels")
+        batch = _agree_on_batch(self, labels, bound)
+        out = cls.forward(self, *args, **kwargs)
+        if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...) or (logits, ...)
+            index = 1 if labels is not None else 0
+            value = None if labels is not None else full_logits(out[index], batch)
+            return (*out[:index], value, *out[index + 1 :])
+        out["logits"] = None if labels is not None else full_logits(out["logits"], batch)
+        return out
+
+    sub = type(cls.__name__, (cls,), {"forward": forward, "_smp_vocab_parallel_head": True})
+    _lm_classes[cls] = sub
+    return sub
+
+
+def _agree_on_batch(root: nn.Module, labels, arguments: dict) -> int:
+    """Returns this rank's batch size. The vocab-split head computes every TP rank's tokens
+    together, and the loss runs only when labels are given: so the ranks must all give labels
+    or all not, and without labels (full logits handed back) bring the same shapes. One
+    all-gather of 4 integers per forward (labels given, batch size, sequence length); a
+    difference raises on every rank, naming each rank's value, before any collective of the
+    head. Not with ``prescaled_batch`` (the ranks share the batch)."""
+    shaped = labels
+    if shaped is None:
+        for key in ("input_ids", "inputs_embeds"):
+            if torch.is_tensor(arguments.get(key)):
+                shaped = arguments[key]
+                break
+    dims = [int(d) for d in shaped.shape[:2]] if torch.is_tensor(shaped) else [0, 0]
+    dims += [0] * (2 - len(dims))
+    group, n = _group_and_size()
+    if not _batch_semantics(n):
+        return dims[0]
+    mine = torch.tensor(
+        [int(labels is not None), len(shaped.shape) if torch.is_tensor(shaped) else 0, *dims]
+    )
+    everyone = tpf.gather_from_region(mine, 0, group).view(n, -1)
+    given = everyone[:, 0]
+    # With labels the token counts may differ (the head pads them); without, the shapes may not.
+    differ = bool((given != given[0]).any())
+    if not differ and not int(given[0]):
+        differ = bool((everyone[:, 2:] != everyone[0, 2:]).any())
+    if differ:
+        seen = "; ".join(
+            f"rank {r}: labels {'given' if int(v[0]) else 'not given'}, shape "
+            f"({int(v[2])}, {int(v[3])})"
+            for r, v in enumerate(everyone)
+        )
+        raise DivergentArgumentsError(
+            f"smp: {type(root).__name__} has a vocab-parallel output head, which computes the "
+            f"tokens of every tensor-parallel rank together: the ranks must all give labels or "
+            f"all not, and without labels (full logits) pass inputs of one shape ({seen}). Give "
+            "every rank labels, or pad every rank's batch to one shape, or set prescaled_batch "
+            "so that the ranks share one batch"
+        )
+    return dims[0]
+
+
+def _marked(module: nn.Module) -> bool:
+    from smp.tensor_parallel import _MARK
+
+    return isinstance(getattr(module, _MARK, None), dict)
+
+
+def _path_of(root: nn.Module, module: nn.Module) -> str | None:
+    for path, m in root.named_modules():
+        if m is module:
+            return path
+    return None
+
+
+def distribute_lm_head(root: nn.Module, group: dist.ProcessGroup) -> tuple[list[str], str | None]:
+    """Splits a marked Hugging Face causal LM's output head (and, when tied to it, the input
+    embedding) along the vocabulary. Returns (paths replaced, why not when it was not done and
+    the head was marked). Applies to models whose forward computes the loss with Hugging Face's
+    ``ForCausalLMLoss`` through ``self.loss_function`` (every causal LM of transformers 5) and
+    whose head is a bias-free ``nn.Linear`` over the vocabulary."""
+    get_output = getattr(root, "get_output_embeddings", None)
+    if not callable(get_output) or not type(root).__module__.startswith("transformers"):
+        return [], None
+    head = get_output()
+    if not isinstance(head, nn.Linear) or not _marked(head):
+        return [], None
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if getattr(root, "loss_type", None) not in (None, "ForCausalLM") or not _loss_via_hook(root):
+        return [], None
+    if getattr(root, "loss_function", None) is not ForCausalLMLoss:
+        return [], None
+    if head.bias is not None:
+        return [], "its bias is not supported by the vocab-parallel head"
+    n = group.size()
+    vocab, hidden = head.out_features, head.in_features
+    if vocab % n:
+        return [], (
+            f"the vocabulary ({vocab}) is not divisible by the tensor-parallel degree {n}; pad "
+            "the vocabulary (resize_token_embeddings) to a multiple of it"
+        )
+    head_path = _path_of(root, head)
+    embedding = root.get_input_embeddings()
+    tied = isinstance(embedding, nn.Embedding) and embedding.weight is head.weight
+    replaced = []
+    if tied:
+        if not _marked(embedding):
+            return [], "it is tied to the input embedding, which is not marked; mark both"
+        if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
+            return [], "its tied input embedding uses max_norm, sparse or scale_grad_by_freq"
+        new_embedding = DistributedEmbedding(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            padding_idx=embedding.padding_idx,
+            group=group,
+            full_weight=embedding.weight.detach().clone(),
+        )
+        new_embedding.train(embedding.training)
+        embedding_path = _path_of(root, embedding)
+        _replace(root, embedding_path, new_embedding)
+        replaced.append(embedding_path)
+        new_head = VocabParallelHead(hidden, vocab, group, weight=new_embedding.weight)
+    else:
+        new_head = VocabParallelHead(hidden, vocab, group, full_weight=head.weight)
+    new_head.train(head.training)
+    _replace(root, head_path, new_head)
+    replaced.append(head_path)
+    root.__class__ = _vocab_parallel_lm_class(type(root))
+    root.loss_function = functools.partial(causal_lm_loss_kw, root.config.vocab_size)
+    return replaced, None
+
+
+def causal_lm_loss_kw(vocab: int, logits=None, labels=None, *args, **kwargs):
+    """:func:`causal_lm_loss` called the way Hugging Face models call ``self.loss_function``
+    (``logits`` and ``labels`` positional or by keyword, ``vocab_size`` by keyword)."""
+    kwargs.pop("vocab_size", None)
+    return causal_lm_loss(vocab, logits, labels, *args, **kwargs)
+
+
+def _loss_via_hook(root: nn.Module) -> bool:
+    """Whether the model's forward computes its loss through ``self.loss_function`` (HF causal
+    LMs do; T5 and the masked LMs call ``CrossEntropyLoss`` themselves)."""
+    try:
+        return "self.loss_function(" in inspect.getsource(type(root).forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _replace(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, name, new)

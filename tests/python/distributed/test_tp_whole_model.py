@@ -1,0 +1,189 @@
+"""SMP-style whole-model marking: an unmodified Hugging Face model created inside
+``smp.tensor_parallelism()`` (every registered module marked: embeddings, LayerNorms, blocks,
+LM head), with its default ``use_cache=True``, matches one process at every layout: tp 2,
+pp 2 x tp 2 and pp 2 x tp 2 x dp 2. Loss every step, every gradient and the full state dict
+after each of three AdamW steps (test_tp_parity's loop)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_tp_parity import SEQ, TOL32, _run_parity
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def _build(kind: str):
+    t = transformers
+    if kind == "gpt2":
+        config = t.GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return t.GPT2LMHeadModel(config)
+    if kind in ("bert", "roberta"):
+        cls = t.BertConfig if kind == "bert" else t.RobertaConfig
+        config = cls(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=SEQ + 2, num_labels=3,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        model_cls = (
+            t.BertForSequenceClassification
+            if kind == "bert"
+            else t.RobertaForSequenceClassification
+        )
+        return model_cls(config)
+    if kind == "opt":
+        config = t.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=SEQ, word_embed_proj_dim=32,
+            dropout=0.0, attention_dropout=0.0,
+        )  # fmt: skip
+        return t.OPTForCausalLM(config)
+    if kind == "t5":
+        config = t.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+            num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+        )  # fmt: skip
+        return t.T5ForConditionalGeneration(config)
+    config = t.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    return t.LlamaForCausalLM(config)
+
+
+def _whole_model_worker(kind: str, tp: int, pp: int, microbatches: int):
+    import smp
+
+    smp.init(
+        {"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp, "microbatches": microbatches}
+    )
+    torch.manual_seed(5)
+    reference = _build(kind)
+    torch.manual_seed(5)
+    with smp.tensor_parallelism():
+        model = _build(kind)
+    model = smp.DistributedModel(model)
+    assert model.distributed_modules, "nothing was split"
+
+    def loss_of(m, ids, labels):
+        if kind in ("bert", "roberta"):
+            mask = torch.ones_like(ids)
+            mask[1::2, -3:] = 0
+            return m(input_ids=ids, attention_mask=mask, labels=labels[:, 0] % 3).loss
+        if kind == "t5":
+            return m(input_ids=ids, labels=labels[:, :5].contiguous()).loss
+        return m(input_ids=ids, labels=ids).loss
+
+    losses = _run_parity(smp, model, reference, loss_of, VOCAB, TOL32, microbatches, False)
+    stages = sorted(set(model.partition_plan.assignment.values()))
+    heads = {
+        "gpt2": ["transformer.wte", "lm_head"],  # tied
+        "opt": ["model.decoder.embed_tokens", "lm_head"],  # tied
+        "llama": ["model.embed_tokens", "lm_head"],
+    }
+    for path in heads.get(kind, []):  # split along the vocabulary (tied for GPT-2)
+        assert path in model.distributed_modules, (path, model.distributed_modules)
+    if kind in heads:
+        # Without labels the output holds the full logits of this rank's samples.
+        @smp.step
+        def predict(model, ids):
+            return model(input_ids=ids).logits
+
+        ids = torch.randint(0, VOCAB, (2 * microbatches * smp.dp_size(), SEQ))
+        mine = ids.chunk(smp.dp_size())[smp.dp_rank()]
+        with torch.no_grad():
+            logits = predict(model, mine).concat()
+            torch.testing.assert_close(logits, reference(input_ids=mine).logits, **TOL32)
+    # Bytes of parameters this rank holds (tied ones once), against the whole model's.
+    held = sum(p.numel() for _, p in model.local_named_parameters())
+    whole = sum(p.numel() for p in reference.parameters())
+    return {
+        "losses": losses,
+        "stages": stages,
+        "split": sorted(model.distributed_modules),
+        "held": held / whole if smp.pp_size() == 1 else None,
+    }
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "opt", "t5"])
+def test_whole_model_tp2(pools, kind):
+    results = pools.run(2, _whole_model_worker, kind, 2, 1, 1)
+    assert all(r == results[0] for r in results)
+    # The tied GPT-2 embedding and head are one shard per rank: about half the model each.
+    if kind == "gpt2":
+        assert results[0]["held"] <= 0.55, results[0]["held"]
+
+
+def _different_lengths_worker():
+    """Each TP rank brings its own sequence length (6 and 8 tokens) and padding on one rank
+    only: the vocab-split head takes every rank's tokens, padded, and the loss and every
+    gradient equal one process's on both ranks' samples. Without labels, different shapes
+    fail fast on every rank, naming them."""
+    from test_tp_parity import full_grads
+
+    import smp
+
+    smp.init({"tensor_parallel_degree": 2, "timeout_s": 20})
+    torch.manual_seed(5)
+    reference = _build("llama")
+    torch.manual_seed(5)
+    with smp.tensor_parallelism():
+        model = smp.DistributedModel(_build("llama"))
+
+    @smp.step
+    def train_step(model, ids, mask):
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        model.backward(loss.loss)
+        return loss.loss
+
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for length in (6, 8):  # rank 0's, rank 1's
+        ids = torch.randint(0, VOCAB, (2, length), generator=g)
+        mask = torch.ones_like(ids)
+        if length == 8:
+            mask[1, -3:] = 0  # padding on rank 1 only
+        batches.append((ids, mask))
+    ids, mask = batches[smp.tp_rank()]
+    loss = train_step(model, ids, mask).reduce_mean()
+    everyone = sum(smp.allgather(loss.item(), smp.DP_GROUP)) / smp.dp_size()
+    expected = sum(
+        reference(input_ids=i, attention_mask=m, labels=i.masked_fill(m == 0, -100)).loss
+        for i, m in batches
+    ) / len(batches)
+    expected.backward()
+    assert abs(everyone - expected.item()) < 2e-5, (everyone, expected.item())
+    grads = full_grads(model)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, **TOL32, msg=lambda m, n=name: f"{n}: {m}")
+
+    @smp.step
+    def predict(model, ids):
+        return model(input_ids=ids).logits
+
+    shapes = r"rank 0: .*shape \(2, 6\); rank 1"
+    with pytest.raises(smp.DivergentArgumentsError, match=shapes), torch.no_grad():
+        predict(model, ids)
+    return True
+
+
+def test_vocab_parallel_head_with_different_lengths_per_rank(pools):
+    assert pools.run(2, _different_lengths_worker) == [True, True]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "roberta", "t5"])
+def test_whole_model_pp2_tp2(pools, kind):
+    results = pools.run(4, _whole_model_worker, kind, 2, 2, 2)
+    assert all(r == results[0] for r in results)
+    assert results[0]["stages"] == [0, 1]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_whole_model_pp2_tp2_dp2(pools, kind):
+    results = pools.run(8, _whole_model_worker, kind, 2, 2, 2)
+    assert all(r == results[0] for r in results)
