@@ -127,7 +127,7 @@ def test_default_config_two_stages(pools, name):
     assert results[0] == results[1] and results[0][1] == [0, 1]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "t5", "bert", "roberta"])
 def test_default_config_four_stages(pools, name):
     results = pools.run(4, _parity_worker, name, 4, 2)
     assert all(r == results[0] for r in results) and results[0][1] == [0, 1, 2, 3]
