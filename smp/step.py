@@ -327,9 +327,12 @@ class _StepFunction:
             except BaseException:
                 for model in models:
                     model._abort_step()  # gradients as they were before the step
+                if runtimes:  # the step failed on some rank: every rank moves to a fresh tag
+                    runtimes[0].fresh_transports()
                 raise
             if not again:
                 break
+            runtimes[0].fresh_transports()  # a rerun follows a failed attempt
             for model in models:
                 model._abort_step()
             rewind.restore()

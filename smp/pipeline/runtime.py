@@ -52,6 +52,16 @@ _ORDER_END, _ORDER_ABORT = -1, -2  # TP task order: the step is over / TP rank 0
 _TAG = 0x5E7
 
 
+def _fresh_tag(state: State) -> int:
+    """A transport tag no other runtime of this process has used since ``smp.init``. Every
+    pipelined model's runtimes share the process groups; a failed step leaves its tag's
+    channels unusable (a message never received, a receive still posted), so a tag is never
+    used twice: not by the next step of the same model, and not by another model. Every rank
+    creates runtimes and fails steps in the same order, so the ranks draw the same tags."""
+    counter = state.__dict__.setdefault("_smp_pipeline_tags", itertools.count(_TAG))
+    return next(counter)
+
+
 class CallStructureChanged(RuntimeError):
     """A module returned outputs of another structure than its earlier calls with the same
     arguments, after the caller had continued with the predicted structure (design.md §4c).
@@ -413,7 +423,7 @@ class PipelineRuntime:
         self.module_ids = {id(m): path for path, m in self.modules.items()}  # travel by path
         self.index_of = {path: i for i, path in enumerate(self.paths)}
         self.assignment = assignment
-        self._tag = _TAG
+        self._tag = _fresh_tag(state)
         self.transport = self._new_transport()
         # With tensor parallelism, the TP ranks of a stage must run their tasks in one order (the
         # modules' TP collectives are matched by order): TP rank 0 picks, the others follow.
@@ -571,7 +581,11 @@ class PipelineRuntime:
         call.originals = originals
         worker.calls.append(call)
         prediction = None
-        if self.async_calls:
+        # With tensor parallelism every decision here must be the same on every TP rank of the
+        # stage (they run one task order, design.md §6a), but their arguments may differ (a
+        # padding mask on one rank, None on another; smp/nn/region.py), and with them the keys,
+        # predictions and FETCHes of their calls. So calls wait for their outputs there.
+        if self.async_calls and self.order_group is None:
             call.key = (index, messages.structure(skeleton)[0], grad)
             prediction = self.predictions.get(call.key)
             # Outputs only passed on by reference last time need not come back (FETCH if used).
@@ -737,16 +751,26 @@ class PipelineRuntime:
                 error = error or exc
             self._forget_step()
         if error is not None:
-            # A failed step leaves the channels on this tag unusable (a receive may stay posted):
-            # every rank fails the step, and every rank moves to a fresh tag for the next one.
+            # A failed step leaves the channels on this tag unusable (a receive may stay posted).
+            # Every rank fails the step; smp.step then moves every rank to a fresh tag
+            # (fresh_transports), whether its own part failed or not.
             self.transport.abort()
             if self.order_transport is not None:
                 self.order_transport.abort()
-            self._tag += 1
-            self.transport = self._new_transport()
-            self.order_transport = self._new_order_transport()
             raise error
         return self.results, self.backward_calls
+
+    def fresh_transports(self) -> None:
+        """After a step that failed on any rank, called on every rank (the outcome agreement
+        says so): the next step talks on a tag no step has used. Deciding this from the agreed
+        outcome rather than from this rank's own error keeps the ranks' tags equal: a rank whose
+        part of the step finished (a peer failed after) moves on too."""
+        self.transport.abort()
+        if self.order_transport is not None:
+            self.order_transport.abort()
+        self._tag = _fresh_tag(self.state)
+        self.transport = self._new_transport()
+        self.order_transport = self._new_order_transport()
 
     def _forget_step(self) -> None:
         """Drops the step's workers and calls. They reference each other (a call its worker, a
