@@ -49,6 +49,10 @@ class Chain(nn.Module):
 
 
 def _place(model: Chain, smp) -> None:
+    # The root too: by crossings alone it would go to stage 1 with the blocks (its calls to
+    # ``a`` and ``head`` cross, its four block calls not), and this test is about the leader's
+    # calls to a chain of blocks on another stage.
+    smp.set_partition(model, 0)
     smp.set_partition(model.a, 0)
     smp.set_partition(model.head, 0)
     for block in model.blocks:
