@@ -151,16 +151,7 @@ def _tensor_bytes(value: Any, floating_only: bool = False) -> int:
         return sum(
             _tensor_bytes(getattr(value, f.name), floating_only) for f in dataclasses.fields(value)
         )
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
-        return 0
-    # Any other object crosses stages with the tensors it holds (a key/value cache).
-    from smp.pipeline.messages import pack
-
-    try:
-        _, tensors = pack(value, local_modules=[])
-    except TypeError:
-        return 0
-    return sum(_tensor_bytes(t, floating_only) for t in tensors)
+    return 0
 
 
 def _output_numel(value: Any) -> int:
