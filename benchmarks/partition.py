@@ -46,6 +46,7 @@ from smp.partitioning import (  # noqa: E402
     CrossingCosts,
     _build_nodes,
     _core_calls,
+    _core_nodes,
     _seconds_per_compute,
     build_plan,
     trace_modules,
@@ -286,18 +287,7 @@ def _priced_load(model, traces, plan, costs: CrossingCosts, memory_weight: float
     """The largest stage load of ``plan`` with crossings priced by ``costs``: the core evaluates
     the plan with every node pinned where it is."""
     nodes, node_of_path = _build_nodes(model, traces, False, None)
-    core_nodes = [
-        _C.PartitionNode(
-            name=n.name,
-            parent=n.parent,
-            compute=n.compute,
-            param_bytes=n.param_bytes,
-            activation_bytes=n.activation_bytes,
-            pin=stage,
-            chain=n.chain,
-        )
-        for n, stage in zip(nodes, plan.node_stages)
-    ]
+    core_nodes = _core_nodes(nodes, list(plan.node_stages))
     options = _C.PartitionOptions(
         num_stages=plan.num_stages,
         memory_weight=memory_weight,

@@ -522,6 +522,22 @@ def _build_nodes(
     return nodes, node_of_path
 
 
+def _core_nodes(nodes: list, pins: list[int]) -> list[_C.PartitionNode]:
+    """The core's nodes for ``nodes``, node i pinned to ``pins[i]`` (-1: free)."""
+    return [
+        _C.PartitionNode(
+            name=n.name,
+            parent=n.parent,
+            compute=n.compute,
+            param_bytes=n.param_bytes,
+            activation_bytes=n.activation_bytes,
+            pin=pin,
+            chain=n.chain,
+        )
+        for n, pin in zip(nodes, pins)
+    ]
+
+
 def _core_calls(
     traces: dict[str, ModuleTrace] | None, node_of_path: dict[str, int]
 ) -> list[_C.PartitionCall]:
@@ -837,18 +853,7 @@ def build_plan(
     nodes, node_of_path = _build_nodes(
         module, traces, use_time, None if auto_partition else default_partition
     )
-    core_nodes = [
-        _C.PartitionNode(
-            name=n.name,
-            parent=n.parent,
-            compute=n.compute,
-            param_bytes=n.param_bytes,
-            activation_bytes=n.activation_bytes,
-            pin=n.pin,
-            chain=n.chain,
-        )
-        for n in nodes
-    ]
+    core_nodes = _core_nodes(nodes, [n.pin for n in nodes])
     costs = crossing_costs or CrossingCosts()
     seconds_per_compute = _seconds_per_compute(module, costs, traces is not None, use_time)
     options = _C.PartitionOptions(

@@ -358,6 +358,28 @@ class Partitioner {
   int num_children(int v) const { return child_begin_[v + 1] - child_begin_[v]; }
   double cost(const Item& item) const { return item.own ? own_[item.node] : sub_[item.node]; }
   bool expandable(const Item& item) const { return !item.own && num_children(item.node) > 0; }
+
+  // Marks (in `marked`, one flag per item of `seq`) the expandable items on both sides of every
+  // boundary of a segment whose load is above `target`; `ends[d]` is where device d's segment
+  // ends. Returns whether any item was marked.
+  bool mark_overloaded_ends(const std::vector<Item>& seq, const std::vector<int>& ends,
+                            const std::vector<double>& loads, double target,
+                            std::vector<char>& marked) const {
+    const int m = static_cast<int>(seq.size());
+    marked.assign(m, 0);
+    bool any = false;
+    for (std::size_t d = 0, start = 0; d < ends.size(); start = ends[d], ++d) {
+      if (loads[d] <= target) continue;
+      const int end = ends[d];
+      for (int i : {static_cast<int>(start) - 1, static_cast<int>(start), end - 1, end}) {
+        if (i >= 0 && i < m && expandable(seq[i])) {
+          marked[i] = 1;
+          any = true;
+        }
+      }
+    }
+    return any;
+  }
   int units(const Item& item) const { return item.own ? 1 : size_[item.node]; }
 
   // ---- input --------------------------------------------------------------------------------
@@ -829,24 +851,13 @@ class Partitioner {
       seg = segment(prefix, lo, n, root_cost);
       if (seg.value <= target) break;
       // Open the items on both sides of every boundary of an over-loaded segment.
-      const int m = static_cast<int>(seq.size());
-      std::vector<char> marked(m, 0);
-      bool any = false;
-      int start = 0;
-      for (int d = 0; d < n; ++d) {
-        const int end = seg.ends[d];
-        const double load = preload_[lo + d] + (prefix[end] - prefix[start]) +
-                            (d == seg.root_device ? root_cost : 0.0);
-        if (load > target) {
-          for (int i : {start - 1, start, end - 1, end}) {
-            if (i >= 0 && i < m && expandable(seq[i])) {
-              marked[i] = 1;
-              any = true;
-            }
-          }
-        }
-        start = end;
+      std::vector<double> loads(n);
+      for (int d = 0, start = 0; d < n; start = seg.ends[d], ++d) {
+        loads[d] = preload_[lo + d] + (prefix[seg.ends[d]] - prefix[start]) +
+                   (d == seg.root_device ? root_cost : 0.0);
       }
+      std::vector<char> marked;
+      const bool any = mark_overloaded_ends(seq, seg.ends, loads, target, marked);
       if (any && round < kMaxBoundaryRounds) {
         seq = expand(seq, marked);
         continue;
@@ -907,22 +918,8 @@ class Partitioner {
     for (int round = 0;; ++round) {
       seg = priced_segment(seq, lo, n, root_cost, cap);
       if (seg.value <= target) break;
-      const int m = static_cast<int>(seq.size());
-      std::vector<char> marked(m, 0);
-      bool any = false;
-      int start = 0;
-      for (int d = 0; d < n; ++d) {
-        const int end = seg.ends[d];
-        if (seg.loads[d] > target) {
-          for (int i : {start - 1, start, end - 1, end}) {
-            if (i >= 0 && i < m && expandable(seq[i])) {
-              marked[i] = 1;
-              any = true;
-            }
-          }
-        }
-        start = end;
-      }
+      std::vector<char> marked;
+      const bool any = mark_overloaded_ends(seq, seg.ends, seg.loads, target, marked);
       if (any && round < kMaxBoundaryRounds) {
         seq = expand(seq, marked);
         continue;
