@@ -531,8 +531,7 @@ def _apply_plan(block: nn.Module, plan: _Plan, group: Any) -> nn.Module:
         _load_full_state(new, old.state_dict(), type(old).__name__)
         replacements[path] = new
     for path, new in replacements.items():
-        parent_path, _, name = path.rpartition(".")
-        setattr(block.get_submodule(parent_path) if parent_path else block, name, new)
+        block.set_submodule(path, new)
     for path, attr in plan.divide:
         sub = block.get_submodule(path)
         setattr(sub, attr, getattr(sub, attr) // n)

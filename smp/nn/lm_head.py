@@ -34,7 +34,13 @@ from torch import nn
 
 from smp.nn import functional as tpf
 from smp.nn.modules import DistributedEmbedding, DistributedModule
-from smp.nn.region import DivergentArgumentsError, _region_scope, batch_is_shared, in_region
+from smp.nn.region import (
+    DivergentArgumentsError,
+    _exchange,
+    _region_scope,
+    batch_is_shared,
+    in_region,
+)
 
 __all__ = ["VocabParallelHead", "causal_lm_loss", "full_logits", "distribute_lm_head"]
 
@@ -92,8 +98,7 @@ class VocabParallelHead(DistributedModule):
 
 def _longest(rows: torch.Tensor, group: dist.ProcessGroup) -> int:
     """The largest row count of ``rows`` over the TP group (one all-gather of an integer)."""
-    mine = torch.tensor([rows.size(0)], dtype=torch.int64, device=rows.device)
-    return int(tpf.gather_from_region(mine, 0, group).max())
+    return int(_exchange(group, torch.tensor([rows.size(0)], dtype=torch.int64)).max())
 
 
 def _pad_rows(rows: torch.Tensor, count: int, value: float = 0) -> torch.Tensor:
@@ -192,7 +197,7 @@ def _agree_on_batch(root: nn.Module, labels, arguments: dict) -> int:
     """Returns this rank's batch size. The vocab-split head computes every TP rank's tokens
     together, and the loss runs only when labels are given: so the ranks must all give labels
     or all not, and without labels (full logits handed back) bring the same shapes. One
-    all-gather of 4 integers per forward (labels given, batch size, sequence length); a
+    all-gather of 3 integers per forward (labels given, batch size, sequence length); a
     difference raises on every rank, naming each rank's value, before any collective of the
     head. Not with ``prescaled_batch`` (the ranks share the batch)."""
     shaped = labels
@@ -206,19 +211,17 @@ def _agree_on_batch(root: nn.Module, labels, arguments: dict) -> int:
     group, n = _group_and_size()
     if not _batch_semantics(n):
         return dims[0]
-    mine = torch.tensor(
-        [int(labels is not None), len(shaped.shape) if torch.is_tensor(shaped) else 0, *dims]
-    )
-    everyone = tpf.gather_from_region(mine, 0, group).view(n, -1)
+    mine = torch.tensor([int(labels is not None), *dims], dtype=torch.int64)
+    everyone = _exchange(group, mine).view(n, -1)
     given = everyone[:, 0]
     # With labels the token counts may differ (the head pads them); without, the shapes may not.
     differ = bool((given != given[0]).any())
     if not differ and not int(given[0]):
-        differ = bool((everyone[:, 2:] != everyone[0, 2:]).any())
+        differ = bool((everyone[:, 1:] != everyone[0, 1:]).any())
     if differ:
         seen = "; ".join(
             f"rank {r}: labels {'given' if int(v[0]) else 'not given'}, shape "
-            f"({int(v[2])}, {int(v[3])})"
+            f"({int(v[1])}, {int(v[2])})"
             for r, v in enumerate(everyone)
         )
         raise DivergentArgumentsError(
@@ -289,13 +292,13 @@ def distribute_lm_head(root: nn.Module, group: dist.ProcessGroup) -> tuple[list[
         )
         new_embedding.train(embedding.training)
         embedding_path = _path_of(root, embedding)
-        _replace(root, embedding_path, new_embedding)
+        root.set_submodule(embedding_path, new_embedding)
         replaced.append(embedding_path)
         new_head = VocabParallelHead(hidden, vocab, group, weight=new_embedding.weight)
     else:
         new_head = VocabParallelHead(hidden, vocab, group, full_weight=head.weight)
     new_head.train(head.training)
-    _replace(root, head_path, new_head)
+    root.set_submodule(head_path, new_head)
     replaced.append(head_path)
     root.__class__ = _vocab_parallel_lm_class(type(root))
     root.loss_function = functools.partial(causal_lm_loss_kw, root.config.vocab_size)
@@ -316,9 +319,3 @@ def _loss_via_hook(root: nn.Module) -> bool:
         return "self.loss_function(" in inspect.getsource(type(root).forward)
     except (OSError, TypeError):
         return False
-
-
-def _replace(root: nn.Module, path: str, new: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    setattr(parent, name, new)

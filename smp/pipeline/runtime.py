@@ -94,7 +94,6 @@ class _Call:
     used: bool = False  # an output was resolved here (not only passed on by reference)
     fetch_of: _Call | None = None  # a FETCH: the call whose outputs it brings
     fetch: _Call | None = None  # the FETCH sent for this call's outputs
-    originals: list = dataclasses.field(default_factory=list)  # request tensors, slot order
 
 
 @dataclasses.dataclass
@@ -578,7 +577,6 @@ class PipelineRuntime:
         sent = [t for t in real if t.requires_grad] if grad else []
         path = self.paths[index] or "<root>"
         call = _Call(call_id, owner, worker, grad, sent, [segments.edge_of(t) for t in sent], path)
-        call.originals = originals
         worker.calls.append(call)
         prediction = None
         # With tensor parallelism every decision here must be the same on every TP rank of the
@@ -652,9 +650,9 @@ class PipelineRuntime:
             raise CallStructureChanged(
                 f"smp: module '{call.path}' (pipeline stage {call.owner}) returned "
                 f"{messages.describe(cleared)}, but its earlier calls with the same arguments "
-                f"returned {messages.describe(messages.Skeleton(call.predicted, ()))}, and the "
-                "step "
-                "function had continued with that (asynchronous pipeline calls, design.md §4c). "
+                f"returned {messages.describe(messages.Skeleton(call.predicted, ()))}, and "
+                "the step function had continued with that (asynchronous pipeline calls, "
+                "design.md §4c). "
                 "The module's calls wait for their outputs from now on; "
                 '"pipeline_async_calls": False makes every call wait.'
             )

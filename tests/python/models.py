@@ -101,3 +101,49 @@ def assert_owned_grads_match(model, reference, pp_rank: int, tol: dict) -> int:
         else:
             torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m, n=n: f"{n}: {m}")
     return checked
+
+
+def tiny_hf_model(kind: str, vocab: int = 64, seq: int = 8):
+    """An unmodified Hugging Face model of family ``kind`` ("gpt2", "llama", "opt", "t5",
+    "bert", "roberta") from a tiny config: 2 layers, hidden 32, 4 heads, dropout off, every
+    other setting the family's default (GPT-2, Llama, OPT and T5 keep ``use_cache=True``).
+    BERT and RoBERTa are 3-label sequence classifiers; nothing is downloaded."""
+    import transformers as t
+
+    if kind == "gpt2":
+        config = t.GPT2Config(
+            vocab_size=vocab, n_positions=seq, n_embd=32, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return t.GPT2LMHeadModel(config)
+    if kind in ("bert", "roberta"):
+        cls = t.BertConfig if kind == "bert" else t.RobertaConfig
+        config = cls(
+            vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=seq + 2, num_labels=3,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        model_cls = (
+            t.BertForSequenceClassification
+            if kind == "bert"
+            else t.RobertaForSequenceClassification
+        )
+        return model_cls(config)
+    if kind == "opt":
+        config = t.OPTConfig(
+            vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=seq, word_embed_proj_dim=32,
+            dropout=0.0, attention_dropout=0.0,
+        )  # fmt: skip
+        return t.OPTForCausalLM(config)
+    if kind == "t5":
+        config = t.T5Config(
+            vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+            num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+        )  # fmt: skip
+        return t.T5ForConditionalGeneration(config)
+    config = t.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+    )  # fmt: skip
+    return t.LlamaForCausalLM(config)

@@ -43,7 +43,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from models import parity_adamw
+from models import parity_adamw, tiny_hf_model
 from test_tp_parity import LM, full_grads, local_group
 
 SEQ = 8
@@ -56,33 +56,10 @@ FAST_S = 10.0  # a divergence that cannot run must fail within this, far below T
 BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.encoder.layer"}
 
 
-def _hf_model(kind: str):
-    import transformers
-
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        return transformers.GPT2LMHeadModel(config)
-    if kind == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        )  # fmt: skip
-        return transformers.LlamaForCausalLM(config)
-    config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=SEQ + 2, num_labels=3,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    return transformers.BertForSequenceClassification(config)
-
-
 def _distributed(smp, kind: str):
     """(the model under smp with its blocks split over the TP group, the reference)."""
     torch.manual_seed(5)
-    reference = _hf_model(kind)
+    reference = tiny_hf_model(kind, VOCAB, SEQ)
     model = copy.deepcopy(reference)
     for block in model.get_submodule(BLOCKS[kind]):
         smp.set_tensor_parallelism(block)

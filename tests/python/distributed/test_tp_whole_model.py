@@ -8,52 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import tiny_hf_model
 from test_tp_parity import SEQ, TOL32, _run_parity
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 64
-
-
-def _build(kind: str):
-    t = transformers
-    if kind == "gpt2":
-        config = t.GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        return t.GPT2LMHeadModel(config)
-    if kind in ("bert", "roberta"):
-        cls = t.BertConfig if kind == "bert" else t.RobertaConfig
-        config = cls(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=64, max_position_embeddings=SEQ + 2, num_labels=3,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )  # fmt: skip
-        model_cls = (
-            t.BertForSequenceClassification
-            if kind == "bert"
-            else t.RobertaForSequenceClassification
-        )
-        return model_cls(config)
-    if kind == "opt":
-        config = t.OPTConfig(
-            vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-            num_attention_heads=4, max_position_embeddings=SEQ, word_embed_proj_dim=32,
-            dropout=0.0, attention_dropout=0.0,
-        )  # fmt: skip
-        return t.OPTForCausalLM(config)
-    if kind == "t5":
-        config = t.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-            num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
-        )  # fmt: skip
-        return t.T5ForConditionalGeneration(config)
-    config = t.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-    )  # fmt: skip
-    return t.LlamaForCausalLM(config)
 
 
 def _whole_model_worker(kind: str, tp: int, pp: int, microbatches: int):
@@ -63,10 +23,10 @@ def _whole_model_worker(kind: str, tp: int, pp: int, microbatches: int):
         {"tensor_parallel_degree": tp, "pipeline_parallel_degree": pp, "microbatches": microbatches}
     )
     torch.manual_seed(5)
-    reference = _build(kind)
+    reference = tiny_hf_model(kind, VOCAB, SEQ)
     torch.manual_seed(5)
     with smp.tensor_parallelism():
-        model = _build(kind)
+        model = tiny_hf_model(kind, VOCAB, SEQ)
     model = smp.DistributedModel(model)
     assert model.distributed_modules, "nothing was split"
 
@@ -132,10 +92,10 @@ def _different_lengths_worker():
 
     smp.init({"tensor_parallel_degree": 2, "timeout_s": 20})
     torch.manual_seed(5)
-    reference = _build("llama")
+    reference = tiny_hf_model("llama", VOCAB, SEQ)
     torch.manual_seed(5)
     with smp.tensor_parallelism():
-        model = smp.DistributedModel(_build("llama"))
+        model = smp.DistributedModel(tiny_hf_model("llama", VOCAB, SEQ))
 
     @smp.step
     def train_step(model, ids, mask):
