@@ -196,10 +196,11 @@ the message that made them runnable.
               message = py::make_tuple(task->message->peer, task->message->header,
                                        task->message->tensors);
             }
-            return py::make_tuple(task->task, message);
+            return py::make_tuple(task->task, message, task->target);
           },
           py::arg("timeout_s"),
-          "(task, (peer, header, tensors) or None), or None when the step is over on this rank.")
+          "(task, (peer, header, tensors) or None, target worker id or -1), or None when the step "
+          "is over on this rank.")
       .def_property_readonly(
           "policy", [](PipelineServer& self) -> ServerPolicy& { return self.policy(); },
           py::return_value_policy::reference_internal)

@@ -30,9 +30,10 @@ void PipelineServer::dispatch(Message message) {
     case MessageKind::kRequest: {
       const int microbatch = static_cast<int>(message.header.at(1));
       const int64_t call_id = message.header.at(2);
-      const int64_t id = new_id();
+      const int64_t id = new_id();  // the served call's worker, and its task
       served_[{message.peer, call_id}] = id;
-      pending_[id] = std::move(message);
+      unserved_.insert(id);
+      hold(id, id, std::move(message));
       policy_.push(TaskKind::kServeRequest, microbatch, id);
       return;
     }
@@ -46,10 +47,10 @@ void PipelineServer::dispatch(Message message) {
       SMP_INTERNAL_ASSERT(it != expected_.end(), "unexpected ",
                           kind == MessageKind::kReply ? "reply" : "gradient", " for call ", call_id,
                           " from stage ", message.peer);
-      const int64_t worker = it->second;
+      const int64_t task = it->second;  // registered by expect(): used once
       expected_.erase(it);
-      pending_[worker] = std::move(message);
-      policy_.push(task_kind, microbatch, worker);
+      hold(task, task, std::move(message));
+      policy_.push(task_kind, microbatch, task);
       return;
     }
     case MessageKind::kGradOut: {
@@ -57,9 +58,17 @@ void PipelineServer::dispatch(Message message) {
       auto it = served_.find({message.peer, message.header.at(2)});
       SMP_INTERNAL_ASSERT(it != served_.end(), "gradients for an unknown served call from stage ",
                           message.peer);
+      // A task of its own: the REQUEST of the same call may still be queued (the caller's
+      // backward passes a call whose outputs it dropped right after sending it). Runnable only
+      // once that REQUEST's task has been handed out.
+      const int64_t task = new_id();
       const int64_t worker = it->second;
-      pending_[worker] = std::move(message);
-      policy_.push(TaskKind::kBackward, microbatch, worker);
+      hold(task, worker, std::move(message));
+      if (unserved_.count(worker) != 0) {
+        parked_[worker].push_back({TaskKind::kBackward, microbatch, task});
+      } else {
+        policy_.push(TaskKind::kBackward, microbatch, task);
+      }
       return;
     }
     case MessageKind::kError: {
@@ -79,14 +88,27 @@ void PipelineServer::dispatch(Message message) {
                       message.peer);
 }
 
+void PipelineServer::hold(int64_t task, int64_t target, Message message) {
+  const bool fresh = pending_.try_emplace(task, Held{target, std::move(message)}).second;
+  SMP_INTERNAL_ASSERT(fresh, "two pipeline messages for task ", task);
+}
+
 std::optional<ServerTask> PipelineServer::next(std::chrono::milliseconds timeout) {
   while (true) {
     while (auto message = transport_->try_recv()) dispatch(std::move(*message));
     if (std::optional<Task> task = policy_.next()) {
-      ServerTask out{*task, std::nullopt};
+      if (task->kind == TaskKind::kServeRequest && unserved_.erase(task->id) != 0) {
+        auto parked = parked_.find(task->id);
+        if (parked != parked_.end()) {
+          for (const Task& held : parked->second) policy_.push(held.kind, held.microbatch, held.id);
+          parked_.erase(parked);
+        }
+      }
+      ServerTask out{*task, std::nullopt, -1};
       auto it = pending_.find(task->id);
       if (task->kind != TaskKind::kStartMicrobatch && it != pending_.end()) {
-        out.message = std::move(it->second);
+        out.target = it->second.target;
+        out.message = std::move(it->second.message);
         pending_.erase(it);
       }
       return out;

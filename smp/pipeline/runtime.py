@@ -801,7 +801,7 @@ class PipelineRuntime:
                 else:
                     self.backward_calls = self.server.announced_backward_calls
                 return
-            task, message = item
+            task, message, target = item
             kind = task.kind
             if kind == _C.TaskKind.START_MICROBATCH:
                 mb = task.microbatch
@@ -825,7 +825,7 @@ class PipelineRuntime:
                 self.slices_run += 1
                 self._recorded_backward(worker, *self._pending_roots(worker, worker.next_interval))
             elif message[1][0] == GRAD_OUT:
-                self._gradients_arrived(self.workers[task.id], *message)
+                self._gradients_arrived(self.workers[target], *message)
             else:
                 self._grad_in_arrived(self.grad_tasks.pop(task.id), *message)
 
@@ -836,7 +836,7 @@ class PipelineRuntime:
         """What identifies a task on every TP rank of a stage: the message kind, the peer stage,
         the microbatch and the call id (ids of calls and workers are local, call ids are not:
         each rank's calls are numbered in the order it makes them, which is the same on all)."""
-        task, message = item
+        task, message, _ = item
         if task.kind == _C.TaskKind.START_MICROBATCH:
             return (0, -1, task.microbatch, -1)
         peer, header, _ = message

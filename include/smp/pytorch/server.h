@@ -13,9 +13,13 @@
 //   kGradIn   {kind, microbatch, call id, slots...}      owner -> caller: gradients of inputs
 //   kError    {kind}, tensors {utf-8 text}               any -> all: abort the step
 //   kStepEnd  {kind, backward calls}                     leader -> all: the step is over
-// Ids: every task id (worker id) comes from new_id(); the leader's microbatch starts carry the
-// microbatch index as the policy gives them. A REPLY or GRAD_IN is routed to the worker the
-// caller registered with expect(); a GRAD_OUT to the worker serving that (peer, call id).
+// Ids: every task id comes from new_id(); the leader's microbatch starts carry the microbatch
+// index as the policy gives them. Every message is a task of its own, never sharing an id with
+// another message (a REQUEST and the GRAD_OUT of the same call may both be queued): a REQUEST's
+// task id is also the id of the worker that serves it; a REPLY or GRAD_IN takes the task id the
+// caller registered with expect(); a GRAD_OUT gets a fresh task id and names, as its target, the
+// worker serving that (peer, call id), and becomes runnable only after that worker's REQUEST task
+// has been handed out (so the runtime always meets a served call before its gradients).
 //
 // Example (one step on a non-leader stage):
 //   PipelineServer server(&transport, PipelineKind::kInterleaved, 4, 4, /*is_leader=*/false);
@@ -27,9 +31,11 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "smp/pytorch/transport.h"
 #include "smp/server_policy.h"
@@ -57,6 +63,7 @@ class RemoteStageError : public std::runtime_error {
 struct ServerTask {
   Task task;
   std::optional<Message> message;
+  int64_t target = -1;  // the worker the message is for (-1: none)
 };
 
 class PipelineServer {
@@ -86,7 +93,14 @@ class PipelineServer {
   int64_t announced_backward_calls() const { return announced_backward_calls_; }
 
  private:
+  struct Held {
+    int64_t target;
+    Message message;
+  };
+
   void dispatch(Message message);
+  // Keeps `message` until its task runs; asserts that no other message holds `task`.
+  void hold(int64_t task, int64_t target, Message message);
 
   Transport* transport_;
   ServerPolicy policy_;
@@ -98,7 +112,9 @@ class PipelineServer {
   // outputs it only passed on before their REPLY has arrived.
   std::map<std::pair<int64_t, TaskKind>, int64_t> expected_;
   std::map<std::pair<int, int64_t>, int64_t> served_;  // (peer, call id) -> worker
-  std::map<int64_t, Message> pending_;                 // worker -> message
+  std::map<int64_t, Held> pending_;                    // task -> its message
+  std::set<int64_t> unserved_;  // workers whose REQUEST task has not been handed out yet
+  std::map<int64_t, std::vector<Task>> parked_;  // such a worker -> its GRAD_OUT tasks
 };
 
 }  // namespace smp::pytorch

@@ -71,10 +71,46 @@ TEST(PipelineServerTest, OneCallForwardAndBackward) {
       auto backward = server.next(kLong);
       ASSERT_TRUE(backward && backward->message);
       EXPECT_EQ(backward->task.kind, TaskKind::kBackward);
-      EXPECT_EQ(backward->task.id, serve->task.id);  // routed to the worker serving call 42
+      EXPECT_EQ(backward->target, serve->task.id);   // routed to the worker serving call 42
+      EXPECT_NE(backward->task.id, serve->task.id);  // a task of its own
       transport.send(0, {kGradIn, 0, 42, 0}, {at::ones({2}) * 2});
       EXPECT_FALSE(server.next(kLong));  // STEP_END
       EXPECT_EQ(server.announced_backward_calls(), 1);
+    }
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
+// A caller that drops a call's outputs sends its GRAD_OUT right after the REQUEST; the owner may
+// read both before it takes the REQUEST's task. Each is a task with its own message.
+TEST(PipelineServerTest, GradOutQueuedBehindItsRequestKeepsBoth) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  std::promise<void> sent;  // rank 1 asks for a task only once both messages are queued
+  std::shared_future<void> sent_future = sent.get_future().share();
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    PipelineServer server(&transport, PipelineKind::kInterleaved, 1, 1, /*is_leader=*/false);
+    if (r == 0) {
+      transport.send(1, {kRequest, 0, 7, /*module=*/2}, {at::full({2}, 1.0)});
+      transport.send(1, {kGradOut, 0, 7}, {});  // returns once rank 1 has taken it
+      sent.set_value();
+      transport.send(1, {kStepEnd, 1}, {});
+    } else {
+      sent_future.wait();
+      auto serve = server.next(kLong);
+      ASSERT_TRUE(serve && serve->message);
+      EXPECT_EQ(serve->task.kind, TaskKind::kServeRequest);
+      EXPECT_EQ(serve->message->header[0], kRequest);
+      EXPECT_EQ(serve->target, serve->task.id);
+      auto backward = server.next(kLong);
+      ASSERT_TRUE(backward && backward->message);
+      EXPECT_EQ(backward->task.kind, TaskKind::kBackward);
+      EXPECT_EQ(backward->message->header[0], kGradOut);
+      EXPECT_EQ(backward->target, serve->task.id);
+      EXPECT_FALSE(server.next(kLong));  // STEP_END
     }
     transport.finish();
   });
