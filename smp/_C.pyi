@@ -330,6 +330,16 @@ class Transport:
 
 class RemoteStageError(RuntimeError): ...
 
+class ThreadState:
+    """torch's thread-local state of the calling thread (at::ThreadLocalState)."""
+
+    def __init__(self) -> None: ...
+
+class ThreadStateGuard:
+    def __init__(self, state: ThreadState) -> None: ...
+    def __enter__(self) -> None: ...
+    def __exit__(self, *exc: object) -> bool: ...
+
 class PipelineServer:
     """The module server's loop for one step: messages in, runnable tasks out."""
 

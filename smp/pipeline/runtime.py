@@ -31,6 +31,7 @@ from torch import nn
 
 from smp import _C
 from smp.pipeline import messages, segments
+from smp.pipeline.context import CallMode, StepContext
 from smp.pipeline.sender import Sender
 from smp.state import State
 
@@ -222,6 +223,7 @@ class _Worker:
         self.out_grads_acc: dict[int, torch.Tensor] = {}  # served: output slot -> gradient
         self.awaiting = 0  # served: gradient deliveries missing (GRAD_OUT, consumers' shares)
         self.grad = runtime.grad_enabled  # grad mode (served: the caller's, from REQUEST)
+        self.mode: CallMode | None = None  # served: the caller's thread state (REQUEST)
         self.backward_started = False
         self.completed = False  # served: GRAD_IN sent
         self.replied = False  # served: REPLY sent (its outputs are known)
@@ -244,12 +246,13 @@ class _Worker:
         and ``park``s the thread (ready for another worker) before the baton goes back."""
         self.go.acquire()
         _current.worker = self
-        torch.set_grad_enabled(self.grad)
+        mode = dataclasses.replace(self.mode or self.runtime.step_context.mode, grad=self.grad)
         try:
             if self.aborted:
                 raise _Abort()
-            self.new_interval()
-            self.result = self.target()
+            with self.runtime.step_context.applied(mode):
+                self.new_interval()
+                self.result = self.target()
         except _Abort:
             pass
         except BaseException as exc:  # noqa: BLE001 - reported through the server
@@ -573,7 +576,8 @@ class PipelineRuntime:
         skeleton, tensors = messages.pack((args, kwargs), resolve, self.module_ids)
         refs = [(i, t) for i, t in enumerate(tensors) if isinstance(t, messages.Ref)]
         real = [t for t in tensors if not isinstance(t, messages.Ref)]
-        grad = torch.is_grad_enabled()
+        mode = CallMode.current()
+        grad = mode.grad
         sent = [t for t in real if t.requires_grad] if grad else []
         path = self.paths[index] or "<root>"
         call = _Call(call_id, owner, worker, grad, sent, [segments.edge_of(t) for t in sent], path)
@@ -588,7 +592,7 @@ class PipelineRuntime:
             prediction = self.predictions.get(call.key)
             # Outputs only passed on by reference last time need not come back (FETCH if used).
             call.push = prediction is None or self.push_outputs.get(call.key, True)
-        header = [REQUEST, worker.microbatch, call_id, index, int(grad), int(call.push)]
+        header = [REQUEST, worker.microbatch, call_id, index, mode.encode(), int(call.push)]
         header.append(len(refs))
         for slot, ref in refs:
             header += [slot, ref.stage, ref.call_id, ref.slot]
@@ -691,6 +695,7 @@ class PipelineRuntime:
         cfg = self.state.config
         leader = self.stage == 0
         self.grad_enabled = torch.is_grad_enabled()
+        self.step_context = StepContext()  # what every worker of this step runs under
         self.recorder = _Recorder()
         self._call_ids = itertools.count()  # the same sequence on every TP rank of the stage
         self._stash = {}
@@ -1036,11 +1041,12 @@ class PipelineRuntime:
             self._start(worker)
 
     def _served_worker(self, worker_id: int, peer: int, header: list[int], tensors) -> _Worker:
-        mb, call_id, index, grad, push, n_refs = header[1:7]
+        mb, call_id, index, mode, push, n_refs = header[1:7]
         refs = {header[7 + 4 * i]: tuple(header[8 + 4 * i : 11 + 4 * i]) for i in range(n_refs)}
         skeleton, payload = tensors[0], list(tensors[1:])
         worker = _Worker(self, mb, lambda: None, worker_id)
-        worker.grad = bool(grad) and self.grad_enabled
+        worker.mode = CallMode.decode(mode)
+        worker.grad = worker.mode.grad and self.grad_enabled
         worker.awaiting = int(worker.grad)  # the caller's GRAD_OUT
         worker.served = (peer, call_id)
         worker.push = bool(push)

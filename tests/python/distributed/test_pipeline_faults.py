@@ -4,6 +4,7 @@ released with their model."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -97,3 +98,82 @@ def test_a_discarded_remote_output_is_exact(pools, options, delay_s):
     which can be before the owner has taken the REQUEST off its queue: the two never collide."""
     steps = 50 if not delay_s else 10
     assert pools.run(2, _discards_worker, options, steps, delay_s, timeout_s=300) == [steps] * 2
+
+
+class Mixed(nn.Module):
+    """Linear layers (autocast lowers them), a LayerNorm and a softmax on both stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.norm(self.a(x))
+        h = torch.softmax(self.b(h), dim=-1)
+        return self.head(self.c(h) + h.float())
+
+
+def _dtype_hooks(module: nn.Module, seen: dict) -> None:
+    for path, sub in module.named_modules():
+        if path:
+            sub.register_forward_hook(
+                lambda m, args, out, path=path: seen.setdefault(path, set()).add(str(out.dtype))
+            )
+
+
+def _autocast_worker(where: str):
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    reference = Mixed()
+    torch.manual_seed(0)
+    module = Mixed()
+    for path, stage in (("", 0), ("a", 0), ("norm", 1), ("b", 1), ("c", 0), ("head", 1)):
+        smp.set_partition(module.get_submodule(path), stage)
+    seen, expected = {}, {}
+    _dtype_hooks(module, seen)
+    _dtype_hooks(reference, expected)
+    model = smp.DistributedModel(module)
+    packed = [0]
+
+    def pack(t):
+        packed[0] += 1
+        return t
+
+    def bf16():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    @smp.step
+    def train_step(model, x, y):
+        with bf16() if where == "inside" else contextlib.nullcontext():
+            logits = model(x)
+        loss = F.cross_entropy(logits.float(), y)
+        model.backward(loss)
+        return loss
+
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    # What the step's thread sets around the step reaches every forward, on every stage.
+    outside = bf16() if where == "outside" else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), outside:
+        loss = train_step(model, x, y).reduce_mean()
+    with bf16():
+        ref_loss = F.cross_entropy(reference(x).float(), y)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
+    plan = model.partition_plan
+    owned = {p for p in expected if plan.assignment[p] == smp.pp_rank()}
+    assert {p: seen[p] for p in owned} == {p: expected[p] for p in owned}, (seen, expected)
+    assert packed[0] > 0  # saved-tensor hooks ran on this rank's forwards
+    return sorted(owned)
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_autocast_and_saved_tensor_hooks_reach_every_stage(pools, where):
+    """``torch.autocast`` around the model call (inside the step function) or around the step,
+    and saved-tensor hooks around the step: every module sees what it would in one process."""
+    owned = pools.run(2, _autocast_worker, where)
+    assert sorted(owned[0] + owned[1]) == ["a", "b", "c", "head", "norm"]

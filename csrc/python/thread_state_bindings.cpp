@@ -1,0 +1,67 @@
+// smp._C.ThreadState / ThreadStateGuard: torch's thread-local state carried to worker threads.
+//
+// The pipeline runtime runs a step's forwards in pool threads (smp/pipeline/runtime.py). What a
+// module's forward would see on the step's own thread must be what it sees there: grad and
+// inference mode, the autocast dispatch keys, saved-tensor hooks, torch function / dispatch
+// modes, functorch levels. at::ThreadLocalState is torch's own record of exactly that set (the
+// autograd engine and at::launch carry it across threads the same way); the autocast dtypes and
+// cache flag, which it leaves out, are carried by the runtime in Python.
+#include <ATen/ThreadLocalState.h>
+
+#include <memory>
+#include <optional>
+
+#include "python/bindings.h"
+#include "smp/error.h"
+
+namespace smp::python {
+
+namespace py = pybind11;
+
+namespace {
+
+// A guard entered and exited from Python (a context manager), once.
+class ThreadStateGuard {
+ public:
+  explicit ThreadStateGuard(std::shared_ptr<const at::ThreadLocalState> state)
+      : state_(std::move(state)) {}
+
+  void enter() {
+    SMP_CHECK(!guard_ && !used_, "ThreadStateGuard: entered twice");
+    used_ = true;
+    guard_.emplace(*state_);
+  }
+  void exit() { guard_.reset(); }
+
+ private:
+  std::shared_ptr<const at::ThreadLocalState> state_;
+  std::optional<at::ThreadLocalStateGuard> guard_;
+  bool used_ = false;
+};
+
+}  // namespace
+
+void init_thread_state_bindings(py::module_& m) {
+  py::class_<at::ThreadLocalState, std::shared_ptr<at::ThreadLocalState>>(
+      m, "ThreadState",
+      R"doc(torch's thread-local state of the calling thread, captured when constructed
+(at::ThreadLocalState: grad and inference mode, autocast on/off, saved-tensor hooks, torch
+function and dispatch modes). ``ThreadStateGuard(state)`` applies it in another thread.)doc")
+      .def(py::init<>());
+
+  py::class_<ThreadStateGuard>(
+      m, "ThreadStateGuard",
+      "Context manager: the thread runs with ``state`` inside, and with its own state again after.")
+      .def(py::init<std::shared_ptr<at::ThreadLocalState>>(), py::arg("state"))
+      .def("__enter__",
+           [](ThreadStateGuard& self) {
+             self.enter();
+             return py::none();
+           })
+      .def("__exit__", [](ThreadStateGuard& self, const py::args&) {
+        self.exit();
+        return false;
+      });
+}
+
+}  // namespace smp::python
