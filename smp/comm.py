@@ -7,11 +7,14 @@ tp group). Object collectives move picklable Python objects, never in a hot loop
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
+from smp import _C
 from smp.state import get_state
 
 __all__ = [
@@ -193,11 +196,29 @@ def _rank_type_name(rank_type: RankType | str) -> str:
     )
 
 
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Runs a collective smp issues: a failure of the backend inside becomes
+    ``smp._C.CollectiveError``, the type that says "a failure elsewhere" (a peer died, the
+    backend timed out), as the C++ collectives raise it (smp/pytorch/collective.h). The
+    backends raise plain RuntimeErrors, which a mistake in user code raises too; smp.step tells
+    the cause of a failed step from its echoes by this type (design.md §4j)."""
+    try:
+        yield
+    except _C.CollectiveError:
+        raise
+    except (RuntimeError, dist.DistError) as exc:
+        raise _C.CollectiveError(f"smp: {what} failed: {exc}") from exc
+
+
 def _send_object(obj: Any, world_dst: int) -> None:
     state = get_state()
     if world_dst == state.rank:
         raise ValueError(f"smp: rank {state.rank} cannot send an object to itself")
-    dist.send_object_list([obj], dst=world_dst, group=state.groups["world"], device=_comm_device())
+    with collective(f"send to rank {world_dst}"):
+        dist.send_object_list(
+            [obj], dst=world_dst, group=state.groups["world"], device=_comm_device()
+        )
 
 
 def _comm_device():
@@ -239,7 +260,10 @@ def recv_from(src: int, rank_type: RankType | str = RankType.WORLD_RANK) -> Any:
     if world_src == state.rank:
         raise ValueError(f"smp: rank {state.rank} cannot receive an object from itself")
     box: list[Any] = [None]
-    dist.recv_object_list(box, src=world_src, group=state.groups["world"], device=_comm_device())
+    with collective(f"receive from rank {world_src}"):
+        dist.recv_object_list(
+            box, src=world_src, group=state.groups["world"], device=_comm_device()
+        )
     return box[0]
 
 
@@ -248,11 +272,14 @@ def allgather(obj: Any, group: CommGroup | str = CommGroup.WORLD) -> list[Any]:
     state = get_state()
     name = _group_name(group)
     out: list[Any] = [None] * state.axis_size(name)
-    dist.all_gather_object(out, obj, group=state.groups[name])
+    with collective(f"allgather over {name}"):
+        dist.all_gather_object(out, obj, group=state.groups[name])
     return out
 
 
 def barrier(group: CommGroup | str = CommGroup.WORLD) -> None:
     """Blocks until every member of ``group`` has reached the barrier."""
     state = get_state()
-    dist.barrier(group=state.groups[_group_name(group)])
+    name = _group_name(group)
+    with collective(f"barrier over {name}"):
+        dist.barrier(group=state.groups[name])

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _NormBase
 
+from smp import _C
 from smp.pipeline.runtime import CallStructureChanged
 from smp.state import State, get_state
 
@@ -161,6 +162,7 @@ class _MicrobatchError:
     summary: str
     formatted: str
     rerun: bool = False  # a call's output structure changed (asynchronous calls): may run again
+    origin: str = "user"  # where it came from (_origin): "user" is a cause, the rest echoes
 
 
 _MAX_RUNS = 4  # a step runs at most this often (design.md §4c: each rerun makes a call wait)
@@ -366,6 +368,7 @@ class _StepFunction:
                 f"{type(exc).__name__}: {exc}",
                 "".join(traceback.format_exception(exc)),
                 rerun=isinstance(exc, CallStructureChanged),
+                origin=_origin(exc),
             )
         finally:
             state.in_step = False
@@ -406,25 +409,25 @@ def step(
     return wrap if func is None else wrap(func)
 
 
-_ECHOES = (
-    "timed out",
-    "timeouterror",
-    "no message within",
-    "connection closed",
-    "connection reset",
-    "gloo",
-    "nccl",
-    "aborted",
-    "transporterror",
-    "remotestageerror",
-    "tp rank 0 of pipeline stage",
-)
-
-
-def _is_echo(summary: str) -> bool:
-    """Whether an error only reflects a failure elsewhere (a communication error)."""
-    text = summary.lower()
-    return any(word in text for word in _ECHOES)
+def _origin(exc: BaseException) -> str:
+    """Where a step's failure came from, by the type of the error or of an error it was raised
+    from (``raise ... from``), never by its text: "stage" (another pipeline stage or TP rank
+    failed and said so), "transport" (a pipeline message could not be sent or did not come),
+    "collective" (a collective smp issued failed: smp/pytorch/collective.h, smp.comm.collective)
+    or "user" (anything else: the model's or the step function's own code). Only "user" errors
+    are causes; the others echo a failure elsewhere."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, _C.RemoteStageError):
+            return "stage"
+        if isinstance(error, _C.TransportError):
+            return "transport"
+        if isinstance(error, (_C.CollectiveError, dist.DistError)):
+            return "collective"
+        error = error.__cause__
+    return "user"
 
 
 def _agree_on_outcome(
@@ -458,7 +461,7 @@ def _agree_on_outcome(
         errors = [e for e, _ in gathered]
         # The cause, not its echoes: ranks that only saw a peer fail (a collective timed out or
         # lost its peer) are named after a rank whose own code failed.
-        causes = [r for r in failed_ranks if not _is_echo(errors[r].summary)]
+        causes = [r for r in failed_ranks if errors[r].origin == "user"]
         first = errors[(causes or failed_ranks)[0]]
         where = f"rank {first.rank}" + (
             f", microbatch {first.microbatch}" if first.microbatch is not None else ""

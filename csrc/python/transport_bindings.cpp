@@ -14,6 +14,7 @@
 
 #include "python/bindings.h"
 #include "smp/error.h"
+#include "smp/pytorch/collective.h"
 #include "smp/pytorch/server.h"
 #include "smp/pytorch/transport.h"
 
@@ -56,6 +57,8 @@ void init_transport_bindings(py::module_& m) {
   // A timeout or backend failure of the transport: RuntimeError, with the peer(s) named in the
   // message. (smp::Error, a user mistake, is ValueError; see bindings.cpp.)
   py::register_exception<TransportError>(m, "TransportError", PyExc_RuntimeError);
+  // A failure of a collective smp issued (smp/pytorch/collective.h): a failure elsewhere.
+  py::register_exception<pytorch::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);
 
   py::class_<Transport, std::unique_ptr<Transport, DeleteWithoutGil>>(
       m, "Transport",

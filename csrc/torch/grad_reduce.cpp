@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "smp/error.h"
+#include "smp/pytorch/collective.h"
 
 namespace smp::pytorch {
 namespace {
@@ -41,7 +42,12 @@ void wait_all(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
       if (!first_error) first_error = std::current_exception();
     }
   }
-  if (first_error) std::rethrow_exception(first_error);
+  if (!first_error) return;
+  try {
+    std::rethrow_exception(first_error);
+  } catch (const std::exception& error) {
+    throw CollectiveError(std::string("smp: gradient all-reduce failed: ") + error.what());
+  }
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "smp/error.h"
+#include "smp/pytorch/collective.h"
 
 namespace smp::pytorch::tp {
 namespace {
@@ -57,14 +58,6 @@ void check_divisible(const char* fn, const at::Tensor& x, int64_t dim, const Gro
             "; make that dim a multiple of ", num_ranks);
 }
 
-// A Work that returns false was aborted: its output is not to be trusted.
-void wait_done(const c10::intrusive_ptr<c10d::Work>& work, const char* collective) {
-  if (!work->wait()) {
-    throw std::runtime_error(std::string("smp tensor parallelism: ") + collective +
-                             " was aborted before it completed");
-  }
-}
-
 // ---- the collectives, on dim 0 of a contiguous buffer ------------------------------------------
 // Other dims are moved to the front and back: the backends only concatenate and split along the
 // outermost dim (their buffers are flat), so dim d is handled as dim 0 of x.movedim(d, 0).
@@ -74,7 +67,7 @@ at::Tensor all_reduce_sum(const at::Tensor& x, const Group& group) {
   std::vector<at::Tensor> buffers{x.clone(at::MemoryFormat::Contiguous)};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  wait_done(group->allreduce(buffers, options), "all-reduce");
+  run_collective("tensor-parallel all-reduce", [&] { return group->allreduce(buffers, options); });
   return buffers[0];
 }
 
@@ -86,7 +79,8 @@ at::Tensor all_gather_along(const at::Tensor& x, int64_t dim, const Group& group
   at::Tensor output = at::empty(shape, input.options());
   // all_gather_single is ProcessGroup's non-deprecated name for _allgather_base (the same
   // dispatcher op, c10d::_allgather_base_, i.e. all_gather_into_tensor).
-  wait_done(group->all_gather_single(output, input), "all-gather");
+  run_collective("tensor-parallel all-gather",
+                 [&] { return group->all_gather_single(output, input); });
   return output.movedim(0, dim).contiguous();
 }
 
@@ -100,7 +94,8 @@ at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const Group& g
   options.reduceOp = c10d::ReduceOp::SUM;
   // reduce_scatter_single is the non-deprecated name for _reduce_scatter_base (the same
   // dispatcher op, c10d::_reduce_scatter_base_, i.e. reduce_scatter_tensor).
-  wait_done(group->reduce_scatter_single(output, input, options), "reduce-scatter");
+  run_collective("tensor-parallel reduce-scatter",
+                 [&] { return group->reduce_scatter_single(output, input, options); });
   return output.movedim(0, dim).contiguous();
 }
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from smp import _C
+from smp.comm import collective
 
 __all__ = [
     "tp_group",
@@ -243,7 +244,8 @@ def vocab_parallel_cross_entropy(
     with torch.no_grad():
         global_max = logits.max(dim=-1).values
         if group.size() > 1 and not _local_only:
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+            with collective("tensor-parallel all-reduce MAX"):
+                dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - global_max.unsqueeze(-1)
     sum_exp = reduce_from_region(shifted.exp().sum(dim=-1), group)
     local_target = target - vocab_start

@@ -857,13 +857,13 @@ class PipelineRuntime:
             return item
         got = self.order_transport.recv(self.timeout_s)
         if got is None:
-            raise TimeoutError(
+            raise _C.TransportError(
                 f"smp: stage {self.stage}, TP rank {self.state.axis_rank('tp')}: TP rank 0 of the "
                 f"stage named no next task within timeout_s={self.timeout_s:g}"
             )
         wanted = tuple(got[1])
         if wanted == (_ORDER_ABORT,):
-            raise RuntimeError(
+            raise _C.RemoteStageError(
                 f"smp: TP rank 0 of pipeline stage {self.stage} failed this step; see its error"
             )
         if wanted == (_ORDER_END,):

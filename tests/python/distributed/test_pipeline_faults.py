@@ -177,3 +177,56 @@ def test_autocast_and_saved_tensor_hooks_reach_every_stage(pools, where):
     and saved-tensor hooks around the step: every module sees what it would in one process."""
     owned = pools.run(2, _autocast_worker, where)
     assert sorted(owned[0] + owned[1]) == ["a", "b", "c", "head", "norm"]
+
+
+class SaysTimedOut(nn.Linear):
+    armed = False
+
+    def forward(self, x):
+        if self.armed:
+            raise ValueError("gloo: connection timed out, transport aborted (nccl)")
+        return super().forward(x)
+
+
+class CallsIt(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = SaysTimedOut(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _user_error_worker():
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    module = CallsIt()
+    for path, stage in (("", 0), ("a", 0), ("b", 1)):
+        smp.set_partition(module.get_submodule(path), stage)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train_step(model, x):
+        out = model(x).sum()
+        model.backward(out)
+        return out
+
+    train_step(model, torch.randn(4, 4))
+    module.b.armed = True
+    try:
+        train_step(model, torch.randn(4, 4))
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return type(exc).__name__, str(exc).splitlines()[0]
+    return None
+
+
+def test_a_user_error_is_the_cause_whatever_its_words(pools):
+    """An error of the model's own code whose text reads like a communication failure is still
+    the cause: stage 1 raises it, stage 0 (which saw only that stage 1 failed) names stage 1."""
+    (kind0, text0), (kind1, text1) = pools.run(2, _user_error_worker)
+    assert kind1 == "ValueError", (kind1, text1)
+    assert kind0 == "StepFailedError", (kind0, text0)
+    assert text0.startswith("smp.step failed on rank 1"), text0
+    assert "ValueError: gloo: connection timed out" in text0, text0
