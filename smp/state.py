@@ -13,6 +13,7 @@ import datetime
 import gc
 import logging
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -36,6 +37,29 @@ _AXES = {
     "rdp": _C.Axis.RDP,
     "mp": _C.Axis.MP,
 }
+
+
+class _WeakList:
+    """Objects in the order they were added, held weakly: iterating or indexing sees the ones
+    still alive."""
+
+    def __init__(self):
+        self._refs: list[weakref.ref] = []
+
+    def append(self, obj: Any) -> None:
+        self._refs = [r for r in self._refs if r() is not None] + [weakref.ref(obj)]
+
+    def _alive(self) -> list:
+        return [obj for r in self._refs if (obj := r()) is not None]
+
+    def __iter__(self):
+        return iter(self._alive())
+
+    def __getitem__(self, index: int) -> Any:
+        return self._alive()[index]
+
+    def __len__(self) -> int:
+        return len(self._alive())
 
 
 class State:
@@ -74,9 +98,9 @@ class State:
         self.device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.group_ranks: dict[str, list[int]] = {}
-        # Called by shutdown() before the groups go (e.g. pipeline transports).
-        self.closers: list = []
-        self.runtimes: list = []  # pipeline runtimes of this job's models (timelines)
+        # The pipeline runtimes of this job's models, held weakly (a model owns its runtime and
+        # releases it with itself); shutdown() closes those alive before the groups go.
+        self.runtimes = _WeakList()
         # Step bookkeeping, set by smp.step while a step function runs.
         self.in_step = False
         self.microbatch: int | None = None
@@ -271,8 +295,8 @@ def shutdown() -> None:
     if state is None:
         return
     # Pipeline transports first: their receiver threads use the groups destroyed below.
-    while state.closers:
-        state.closers.pop(0)()
+    for runtime in state.runtimes:
+        runtime.close()
     if not dist.is_initialized():
         return
     # Destroy together: a rank tearing its gloo groups down while a peer is still inside a

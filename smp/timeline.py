@@ -39,10 +39,15 @@ class TimedAction:
 
 
 class Timeline:
-    """The last step's actions per rank (``ranks``: rank -> list of TimedAction, in order)."""
+    """The last step's actions per rank (``ranks``: rank -> list of TimedAction, in order), and
+    the size of each rank's call-structure caches (``caches``: rank -> {table: entries}, with
+    the tables' ``limit`` and the entries ``evicted`` so far; design.md §4j)."""
 
-    def __init__(self, ranks: dict[int, list[TimedAction]]):
+    def __init__(
+        self, ranks: dict[int, list[TimedAction]], caches: dict[int, dict[str, int]] | None = None
+    ):
         self.ranks = ranks
+        self.caches = caches or {}
 
     @property
     def start(self) -> float:
@@ -156,9 +161,13 @@ class Timeline:
         lines = [f"step span {1e3 * (self.end - self.start):.1f} ms"]
         for rank in sorted(self.ranks):
             acts = self.ranks[rank]
-            lines.append(
-                f"  rank {rank}: {len(acts)} pieces, busy {100 * self.busy_fraction(rank):.1f}%"
-            )
+            line = f"  rank {rank}: {len(acts)} pieces, busy {100 * self.busy_fraction(rank):.1f}%"
+            caches = dict(self.caches.get(rank, {}))
+            if caches:
+                limit, evicted = caches.pop("limit"), caches.pop("evicted")
+                sizes = ", ".join(f"{name} {n}" for name, n in caches.items())
+                line += f"; call caches: {sizes} (limit {limit} each, {evicted} evicted)"
+            lines.append(line)
         return "\n".join(lines)
 
     def save_chrome_trace(self, path: str | Path) -> None:
@@ -232,13 +241,16 @@ def last_step_timeline() -> Timeline:
     from smp.state import get_state
 
     state = get_state()
-    mine: list[tuple[str, float, float]] | None = None
+    mine: tuple[list[tuple[str, float, float]], dict[str, int]] | None = None
     latest = float("-inf")
     for runtime in state.runtimes:  # the model that stepped last, if there are several
         recorder = getattr(runtime, "recorder", None)
         if recorder is not None and recorder.spans and recorder.spans[-1][3] > latest:
             latest = recorder.spans[-1][3]
-            mine = [(f"{runtime.stage}{k}{mb}", start, end) for k, mb, start, end in recorder.spans]
+            spans = [
+                (f"{runtime.stage}{k}{mb}", start, end) for k, mb, start, end in recorder.spans
+            ]
+            mine = (spans, runtime.cache_sizes())
     records: list[Any] = [None] * state.world_size
     dist.all_gather_object(records, mine, group=state.groups["world"])
     if any(r is None for r in records):
@@ -247,5 +259,6 @@ def last_step_timeline() -> Timeline:
             f"{records.index(None)}; it records steps with pipeline_parallel_degree > 1"
         )
     return Timeline(
-        {rank: [TimedAction(*a) for a in record] for rank, record in enumerate(records)}
+        {rank: [TimedAction(*a) for a in spans] for rank, (spans, _) in enumerate(records)},
+        {rank: caches for rank, (_, caches) in enumerate(records)},
     )

@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,15 +33,19 @@ from torch import nn
 
 from smp import _C
 from smp.pipeline import messages, segments
+from smp.pipeline.cache import LRU
 from smp.pipeline.context import CallMode, StepContext
 from smp.pipeline.sender import Sender
 from smp.state import State
 
 __all__ = ["CallStructureChanged", "PipelineRuntime"]
 
+logger = logging.getLogger("smp")
+
 REQUEST, REPLY, GRAD_OUT, GRAD_IN, ERROR, STEP_END = range(1, 7)
 _FETCH = -1  # the module index of a REQUEST that asks for an earlier call's outputs
 _SLICE = -1  # the call id of a worker's local interval boundary (no remote call)
+_BATON_WAITS = 2  # the server waits this many timeout_s at most for a worker to yield
 _SLICES_PER_STAGE = 8  # a module with this fraction of its stage's cost starts a backward slice
 
 
@@ -201,6 +207,9 @@ class _Worker:
         self.microbatch = microbatch
         self.target = target
         self.go = threading.Semaphore(0)
+        # The baton goes back through its step's semaphore: a worker that outlived its step (it
+        # hung past timeout_s) cannot hand a baton to the next step.
+        self.back: threading.Semaphore = runtime._back
         self.finished = False
         self.result: Any = None
         self.error: BaseException | None = None
@@ -262,7 +271,7 @@ class _Worker:
             _current.worker = None
             self.finished = True
             park()
-            self.runtime._back.release()
+            self.back.release()
 
     def release(self) -> None:
         """Drops everything this worker holds, once its step is over (``_forget_step``)."""
@@ -275,10 +284,22 @@ class _Worker:
 
     def suspend(self) -> None:
         """Gives the baton back to the server and waits to be resumed."""
-        self.runtime._back.release()
+        if self.aborted:  # its step is over (it ran past timeout_s): nothing resumes it
+            raise _Abort()
+        self.back.release()
         self.go.acquire()
         if self.aborted:
             raise _Abort()
+
+    def describe(self) -> str:
+        """What this worker runs, for messages: "microbatch 2's step function" or "microbatch 2's
+        call of module 'blocks.3' (from stage 0)"."""
+        if self.served is None:
+            return f"microbatch {self.microbatch}'s step function"
+        return (
+            f"microbatch {self.microbatch}'s call of module '{self.module_path}' "
+            f"(from stage {self.served[0]})"
+        )
 
     def wait_for(self, call: _Call) -> None:
         """Suspends until ``call``'s REPLY has arrived (the server grants this worker then)."""
@@ -362,7 +383,13 @@ _remote_classes: dict[type, type] = {}
 
 
 def _remote_call_dunder(self, *args, **kwargs):
-    runtime, path, owner = self._smp_remote
+    runtime_ref, path, owner = self._smp_remote
+    runtime = runtime_ref()
+    if runtime is None:
+        raise RuntimeError(
+            f"smp: module '{path}' belongs to a pipelined model that no longer exists (it lives "
+            f"on pipeline stage {owner}); keep the smp.DistributedModel while its modules run"
+        )
     return runtime._call_remote_module(path, owner, args, kwargs)
 
 
@@ -406,6 +433,25 @@ class _Recorder:
             self.stack[-1][2] = now
 
 
+class _Held:
+    """A runtime's transports and worker threads, released by :meth:`release` (idempotent):
+    by ``close`` or, when a pipelined model is dropped without it, by the runtime's
+    finalizer."""
+
+    def __init__(self):
+        self.transport = None
+        self.order_transport = None
+        self.threads = _Threads()
+
+    def release(self) -> None:
+        self.threads.close()
+        transport, self.transport = self.transport, None
+        order, self.order_transport = self.order_transport, None
+        for t in (transport, order):
+            if t is not None:
+                t.abort()
+
+
 class PipelineRuntime:
     """Runs steps of a partitioned model; one per DistributedModel with pp > 1."""
 
@@ -426,6 +472,9 @@ class PipelineRuntime:
         self.index_of = {path: i for i, path in enumerate(self.paths)}
         self.assignment = assignment
         self._tag = _fresh_tag(state)
+        # What must be released with the runtime: kept apart from it, so that a finalizer can
+        # release them when the runtime is collected (it must not reference the runtime).
+        self._held = _Held()
         self.transport = self._new_transport()
         # With tensor parallelism, the TP ranks of a stage must run their tasks in one order (the
         # modules' TP collectives are matched by order): TP rank 0 picks, the others follow.
@@ -434,7 +483,7 @@ class PipelineRuntime:
         self.order_transport = self._new_order_transport()
         self._stash: dict[tuple, Any] = {}
         self.timeout_s = float(state.config.timeout_s)
-        self._back = threading.Semaphore(0)
+        self._back = threading.Semaphore(0)  # replaced by each step's own (run_step)
         self._call_ids = itertools.count()
         self.grad_enabled = True
         self.async_calls = bool(getattr(state.config, "pipeline_async_calls", True))
@@ -443,12 +492,12 @@ class PipelineRuntime:
         self.forward_direct = self.async_calls and self.order_group is None
         # Output structures of earlier calls: (module index, argument structure, grad) ->
         # (bytes, skeleton). Kept across steps; a key whose outputs changed is never predicted.
-        self.predictions: dict[tuple, tuple[bytes, Any]] = {}
+        self.predictions = LRU()  # (bounded: smp/pipeline/cache.py)
         self.reruns = 0  # steps run again after a call's output structure changed (smp.step)
         # Whether the caller used (resolved) a key's outputs the last time it finished a worker.
-        self.push_outputs: dict[tuple, bool] = {}
-        self.unstable: set[tuple] = set()
-        self.threads = _Threads()
+        self.push_outputs = LRU()
+        self.unstable = LRU()  # keys never predicted again (while they stay in the table)
+        self.threads = self._held.threads
         # Zero-bubble split (design.md §4g): stages other than the leader's compute a served
         # call's input gradients first and its weight gradients when idle. Not with TP (its
         # ranks must run the same tasks, and weight tasks fill idle time).
@@ -477,24 +526,41 @@ class PipelineRuntime:
             else set()
         )
         self._install_stubs()
-        state.closers.append(self.close)
-        state.runtimes.append(self)
+        state.runtimes.append(self)  # weakly (state.py): the model owns its runtime
+        self._finalizer = weakref.finalize(self, self._held.release)
+
+    # The transports live in ``_held`` (see __init__); fresh_transports replaces them there.
+    transport = property(
+        lambda self: self._held.transport, lambda self, t: setattr(self._held, "transport", t)
+    )
+    order_transport = property(
+        lambda self: self._held.order_transport,
+        lambda self, t: setattr(self._held, "order_transport", t),
+    )
 
     def close(self) -> None:
-        """Releases the transport and everything that keeps it (and so its process group) alive;
-        called by smp.shutdown() before the groups are destroyed. A transport left to the
+        """Releases the transports and everything that keeps them (and so their process group)
+        alive, and ends the worker threads. Called by smp.shutdown() before the groups are
+        destroyed, and when the runtime is collected with its model. A transport left to the
         interpreter's final garbage collection would destroy its group in an arbitrary order
         ('terminate called without an active exception' at exit)."""
         self.policy = None  # a view into the server
         self.server = None  # keeps the transport alive (pybind keep_alive)
         self.workers = {}
-        self.threads.close()
-        transport, self.transport = self.transport, None
-        order, self.order_transport = self.order_transport, None
-        for t in (transport, order):
-            if t is not None:
-                t.abort()
-        del transport, order, t
+        self._finalizer()  # releases _held, once
+
+    def cache_sizes(self) -> dict[str, int]:
+        """Entries in each call-structure table (bounded: smp/pipeline/cache.py), their common
+        ``limit`` and how many entries they have ``evicted`` in all."""
+        tables = {
+            "predictions": self.predictions,
+            "push_outputs": self.push_outputs,
+            "unstable": self.unstable,
+        }
+        sizes = {name: len(table) for name, table in tables.items()}
+        sizes["limit"] = self.predictions.limit
+        sizes["evicted"] = sum(table.evicted for table in tables.values())
+        return sizes
 
     def _new_order_transport(self):
         if self.order_group is None:
@@ -541,7 +607,9 @@ class PipelineRuntime:
         for path, module in self.modules.items():
             owner = self.assignment[path]
             if owner != self.stage:
-                object.__setattr__(module, "_smp_remote", (self, path, owner))
+                # Weakly: the model's modules must not keep its runtime (threads, transports)
+                # alive once the model is gone.
+                object.__setattr__(module, "_smp_remote", (weakref.ref(self), path, owner))
                 module.__class__ = _remote_class(type(module))
 
     def _call_remote_module(self, path: str, owner: int, args, kwargs):
@@ -557,6 +625,8 @@ class PipelineRuntime:
         """Sends REQUEST to ``owner``. A call of the leader's step function whose output
         structure is known (an earlier call with the same module and argument structure) returns
         futures at once (design.md §4c); any other call suspends the worker until REPLY."""
+        if worker.aborted:  # its step is over (it ran past timeout_s): it must not send
+            raise _Abort()
         call_id = next(self._call_ids)
 
         originals: list = []  # what the reply's Sent markers name (the caller's own tensors)
@@ -695,12 +765,15 @@ class PipelineRuntime:
         cfg = self.state.config
         leader = self.stage == 0
         self.grad_enabled = torch.is_grad_enabled()
+        self._back = threading.Semaphore(0)  # the baton, back from a worker (one per step)
         self.step_context = StepContext()  # what every worker of this step runs under
         self.recorder = _Recorder()
         self._call_ids = itertools.count()  # the same sequence on every TP rank of the stage
         self._stash = {}
         self.transport.start()
-        self.sender = Sender(self.transport, [s for s in range(self.num_stages) if s != self.stage])
+        self.sender = Sender(
+            self.transport, [s for s in range(self.num_stages) if s != self.stage], self.timeout_s
+        )
         if self.order_transport is not None:
             self.order_transport.start()
         self.server = _C.PipelineServer(
@@ -742,7 +815,12 @@ class PipelineRuntime:
                 self._tell_followers([_ORDER_ABORT])  # they wait for this rank's next task
         finally:
             hook.remove()
-            self._abort_workers()
+            abort_error = self._abort_workers()
+            if abort_error is not None:
+                if error is None:
+                    error = abort_error
+                else:
+                    logger.warning("%s", abort_error)
             send_error = self.sender.close()
             if send_error is not None and (error is None or isinstance(error, _C.TransportError)):
                 error = send_error  # the cause; a transport error here followed from its abort
@@ -761,7 +839,8 @@ class PipelineRuntime:
             if self.order_transport is not None:
                 self.order_transport.abort()
             raise error
-        return self.results, self.backward_calls
+        results, self.results = self.results, []  # the runtime keeps nothing of a step's data
+        return results, self.backward_calls
 
     def fresh_transports(self) -> None:
         """After a step that failed on any rank, called on every rank (the outcome agreement
@@ -782,6 +861,7 @@ class PipelineRuntime:
         benchmark, freed at random times and making the next step fault in fresh pages."""
         for worker in [*self.workers.values(), *self.step_workers.values()]:
             worker.release()
+        self.step_fn = self.step_calls = None  # the batch and the user's step function
         for table in (
             self.workers,
             self.step_workers,
@@ -906,7 +986,18 @@ class PipelineRuntime:
         self.state.in_step = True
         self.recorder.begin("F", worker.microbatch)
         worker.go.release()
-        self._back.acquire()
+        # Twice timeout_s: the worker may itself wait up to timeout_s (a collective, a TP
+        # rank's order), and the error of that wait names the failure better than this one.
+        limit = _BATON_WAITS * self.timeout_s
+        if not self._back.acquire(timeout=limit):
+            worker.aborted = True  # it raises _Abort if it ever calls another stage
+            self.failed_microbatch = worker.microbatch
+            self.failed_module = worker.module_path
+            raise TimeoutError(
+                f"smp: pipeline stage {self.stage} waited {limit:g} s ({_BATON_WAITS} x "
+                f"timeout_s) for {worker.describe()} to finish or to call another stage; it is "
+                "still running (does its forward wait for something that never comes?)"
+            )
         self.recorder.end()
         self.state.microbatch = None
         if worker.error is not None:
@@ -963,13 +1054,26 @@ class PipelineRuntime:
         self.done_mb.add(mb)
         self.policy.on_microbatch_finished(mb)
 
-    def _abort_workers(self) -> None:
-        """Ends every suspended worker thread (they raise _Abort where they wait)."""
+    def _abort_workers(self) -> BaseException | None:
+        """Ends every suspended worker thread (they raise _Abort where they wait), within
+        timeout_s in all; returns a TimeoutError naming those that did not end (else None)."""
+        deadline = time.monotonic() + self.timeout_s
+        stuck = []
         for worker in getattr(self, "workers", {}).values():
+            if worker.aborted:  # ran past timeout_s in _grant: it is not waiting to be resumed
+                worker.go.release()  # so that it ends at its next suspend, not waits there
+                continue
             worker.aborted = True
             if worker.started and not worker.finished:
                 worker.go.release()
-                self._back.acquire()
+                if not self._back.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    stuck.append(worker.describe())
+        if not stuck:
+            return None
+        return TimeoutError(
+            f"smp: pipeline stage {self.stage} aborted its step, but within timeout_s="
+            f"{self.timeout_s:g} s these did not end: {'; '.join(stuck)}"
+        )
 
     # ---- messages --------------------------------------------------------------------------------
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
+
+from smp import _C
 
 __all__ = ["Sender"]
 
@@ -22,8 +25,9 @@ __all__ = ["Sender"]
 class Sender:
     """One sending thread per peer of a started ``smp._C.Transport``, for one step."""
 
-    def __init__(self, transport, peers: list[int]):
+    def __init__(self, transport, peers: list[int], timeout_s: float):
         self.transport = transport
+        self.timeout_s = timeout_s
         self.error: BaseException | None = None
         self._queues = {peer: queue.SimpleQueue() for peer in peers}
         self._threads = [
@@ -43,17 +47,39 @@ class Sender:
         done = threading.Event() if wait else None
         self._queues[peer].put((header, tensors, done))
         if done is not None:
-            done.wait()  # bounded: Transport.send fails after its timeout
+            # Each send ends within timeout_s (Transport.send fails then); those queued before it
+            # may each take as long, so the wait is bounded by the queue, and named if it ends.
+            limit = self.timeout_s * (self._queues[peer].qsize() + 1)
+            if not done.wait(limit):
+                raise TimeoutError(
+                    f"smp pipeline: a message to stage {peer} was not sent within {limit:g} s "
+                    f"(timeout_s={self.timeout_s:g} per queued message)"
+                )
             if self.error is not None:
                 raise self.error
 
     def close(self) -> BaseException | None:
         """Waits until every queued message has been sent (or failed), ends the threads, and
-        returns the first send error (None if all went out)."""
+        returns the first send error (None if all went out). Waits timeout_s at most: a sending
+        thread still busy then is stopped by aborting the transport (its send fails), and the
+        error returned names the peers it was sending to."""
         for q in self._queues.values():
             q.put(None)
+        deadline = time.monotonic() + self.timeout_s
         for thread in self._threads:
-            thread.join()
+            thread.join(max(0.0, deadline - time.monotonic()))
+        late = [peer for peer, t in zip(self._queues, self._threads) if t.is_alive()]
+        if late:
+            with contextlib.suppress(Exception):
+                self.transport.abort()  # the sends fail at once; the threads end
+            for thread in self._threads:
+                thread.join(self.timeout_s)
+            if self.error is None or isinstance(self.error, _C.TransportError):
+                self.error = TimeoutError(
+                    "smp pipeline: the step's messages to stage(s) "
+                    f"{', '.join(map(str, late))} were not all sent within "
+                    f"timeout_s={self.timeout_s:g} s after the step ended on this rank"
+                )
         return self.error
 
     def _run(self, peer: int) -> None:

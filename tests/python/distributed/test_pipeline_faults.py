@@ -5,6 +5,7 @@ released with their model."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -230,3 +231,189 @@ def test_a_user_error_is_the_cause_whatever_its_words(pools):
     assert kind0 == "StepFailedError", (kind0, text0)
     assert text0.startswith("smp.step failed on rank 1"), text0
     assert "ValueError: gloo: connection timed out" in text0, text0
+
+
+class Hangs(nn.Linear):
+    """Waits for ``release`` when armed: a forward that hangs (a lock never freed, say)."""
+
+    armed = False
+    release = threading.Event()
+
+    def forward(self, x):
+        if self.armed:
+            type(self).release.wait(60)
+        return super().forward(x)
+
+
+class CallsHangs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = Hangs(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _hang_worker():
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 3})
+    module = CallsHangs()
+    for path, stage in (("", 0), ("a", 0), ("b", 1)):
+        smp.set_partition(module.get_submodule(path), stage)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train_step(model, x):
+        out = model(x).sum()
+        model.backward(out)
+        return out
+
+    train_step(model, torch.randn(4, 4))
+    module.b.armed = True
+    start = time.monotonic()
+    try:
+        train_step(model, torch.randn(4, 4))
+        failure = None
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        failure = str(exc).splitlines()[0]
+    took = time.monotonic() - start
+    Hangs.release.set()  # the hung forward returns; its worker must not disturb what follows
+    module.b.armed = False
+    for _ in range(3):
+        train_step(model, torch.randn(4, 4))
+    return failure, took
+
+
+def test_a_hung_forward_fails_the_step_in_bounded_time_and_names_it(pools):
+    """The server waits 2 x timeout_s at most for a worker to give the baton back (the worker's
+    own waits, up to timeout_s, fail first when they are the cause); the error names the
+    stage, the microbatch and the module, every rank fails, and the next steps run (the hung
+    worker, once released, ends without sending anything)."""
+    (failure0, took0), (failure1, took1) = pools.run(2, _hang_worker, timeout_s=120)
+    wanted = "stage 1 waited 6 s (2 x timeout_s) for microbatch 0's call of module 'b'"
+    assert wanted in failure1, failure1
+    assert failure0.startswith("smp.step failed on rank 1"), failure0
+    assert "module 'b'" in failure0, failure0
+    assert max(took0, took1) < 2 * 3 + 10, (took0, took1)
+
+
+def _native_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def _release_worker():
+    import gc
+    import weakref
+
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    counts, refs = [], []
+    for _ in range(4):
+        module = Discards()
+        for path, stage in (("", 0), ("a", 0), ("side", 1), ("block", 1), ("head", 0)):
+            smp.set_partition(module.get_submodule(path), stage)
+        model = smp.DistributedModel(module)
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for _ in range(2):
+            optimizer.zero_grad()
+            train_step(model, torch.randn(8, 8), torch.randint(0, 3, (8,)))
+            optimizer.step()
+        refs.append(weakref.ref(model._runtime))
+        del model, optimizer, module
+        gc.collect()
+        smp.barrier()  # both ranks have dropped the model before either counts
+        counts.append(_native_threads())
+    workers = [t for t in threading.enumerate() if t.name.startswith("smp-")]
+    for t in workers:
+        t.join(10)
+    return [r() is None for r in refs], counts, [t.name for t in workers if t.is_alive()]
+
+
+def test_a_dropped_pipelined_model_releases_its_runtime_threads_and_transports(pools):
+    """Four pipelined models made, trained and dropped in turn: each one's runtime is collected
+    with it, and the process's threads (worker pool, transport receivers) do not grow."""
+    for released, counts, alive in pools.run(2, _release_worker):
+        assert all(released), released
+        assert counts[-1] == counts[0], counts
+        assert not alive, alive
+
+
+class TakesACount(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, count: int):
+        return self.fc(x) * (1.0 + 0.01 * (count % 3))
+
+
+class PassesCounts(nn.Module):
+    """Every step calls stage 1 with a Python int never seen before: a new call-structure key."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = TakesACount()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, count: int):
+        return self.head(self.b(self.a(x), count))
+
+
+def _cache_worker(limit: int, steps: int):
+    import smp
+    from smp.pipeline import cache
+
+    default, cache.CALL_CACHE_SIZE = cache.CALL_CACHE_SIZE, limit
+    try:
+        return _train_passing_counts(smp, steps)
+    finally:
+        cache.CALL_CACHE_SIZE = default  # the pool's process runs other tests next
+
+
+def _train_passing_counts(smp, steps: int) -> str:
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    reference = PassesCounts()
+    torch.manual_seed(0)
+    module = PassesCounts()
+    for path, stage in (("", 0), ("a", 0), ("b", 1), ("head", 0)):
+        smp.set_partition(module.get_submodule(path), stage)
+    model = smp.DistributedModel(module)
+
+    @smp.step(non_split_inputs=["count"])
+    def train_step(model, x, y, count):
+        loss = F.cross_entropy(model(x, count), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(3)
+    for step in range(steps):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+        loss = train_step(model, x, y, step).reduce_mean()
+        ref = sum(
+            F.cross_entropy(reference(xs, step), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))
+        )
+        torch.testing.assert_close(loss, ref / 2, **TOL)
+    return smp.last_step_timeline().summary()
+
+
+def test_call_structure_caches_are_bounded_and_reported(pools):
+    """A model whose calls carry a new Python value every step made the runtime's tables grow
+    with the steps; they hold at most their limit, and the timeline's summary says so."""
+    summary = pools.run(2, _cache_worker, 4, 12)[0]
+    assert "call caches: predictions 4, push_outputs 4, unstable 0 (limit 4 each" in summary, (
+        summary
+    )

@@ -1,9 +1,11 @@
-"""smp.pipeline.sender.Sender: per-peer FIFO order, waiting sends, and the first error raised
-by the next send and returned by close (with the transport aborted)."""
+"""smp.pipeline.sender.Sender: per-peer FIFO order, waiting sends, the first error raised
+by the next send and returned by close (with the transport aborted), and close bounded by
+timeout_s."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -29,11 +31,13 @@ class FakeTransport:
 
     def abort(self):
         self.aborted = True
+        if self.gate is not None:
+            self.gate.set()  # as Transport.abort fails the sends in flight
 
 
 def test_messages_to_each_peer_keep_their_order():
     transport = FakeTransport()
-    sender = Sender(transport, [1, 2])
+    sender = Sender(transport, [1, 2], 10.0)
     for i in range(50):
         sender.send(1 + i % 2, [i], [torch.zeros(3)])
     assert sender.close() is None
@@ -45,7 +49,7 @@ def test_messages_to_each_peer_keep_their_order():
 def test_send_returns_before_the_message_is_taken_unless_asked_to_wait():
     gate = threading.Event()
     transport = FakeTransport(gate=gate)
-    sender = Sender(transport, [1])
+    sender = Sender(transport, [1], 10.0)
     sender.send(1, [0], [])  # returns although the transport is blocked
     assert transport.sent == []
     waiter = threading.Thread(target=sender.send, args=(1, [1], []), kwargs={"wait": True})
@@ -61,7 +65,7 @@ def test_send_returns_before_the_message_is_taken_unless_asked_to_wait():
 
 def test_a_failed_send_is_raised_by_the_next_send_and_returned_by_close():
     transport = FakeTransport(fail_on=7)
-    sender = Sender(transport, [1])
+    sender = Sender(transport, [1], 10.0)
     with pytest.raises(RuntimeError, match="peer 1 is gone"):
         sender.send(1, [7], [], wait=True)
     assert transport.aborted
@@ -70,3 +74,17 @@ def test_a_failed_send_is_raised_by_the_next_send_and_returned_by_close():
     error = sender.close()
     assert isinstance(error, RuntimeError) and "peer 1 is gone" in str(error)
     assert transport.sent == []  # nothing after the failure went out
+
+
+def test_close_waits_timeout_s_at_most_and_names_the_peer():
+    """A send that never completes (a peer that never receives) is stopped by aborting the
+    transport once timeout_s has passed; close says which peer it was sending to."""
+    transport = FakeTransport(gate=threading.Event())
+    sender = Sender(transport, [3], 0.3)
+    sender.send(3, [0], [])
+    start = time.monotonic()
+    error = sender.close()
+    assert time.monotonic() - start < 5
+    assert transport.aborted
+    assert isinstance(error, TimeoutError), error
+    assert "stage(s) 3" in str(error) and "timeout_s=0.3" in str(error), error
