@@ -133,15 +133,18 @@ Raises:
 )doc")
       .def(
           "finish",
-          [](Transport& self) {
+          [](Transport& self, bool abort_on_failure) {
             py::gil_scoped_release no_gil;
-            self.finish();
+            self.finish(abort_on_failure);
           },
+          py::arg("abort_on_failure") = true,
           R"doc(Ends the step: sends END to every peer and waits for theirs (within timeout_s).
 
 Raises:
     TransportError: a peer did not call finish() in time (named), a receive failed, or received
-        messages were never taken by recv(); the transport is then aborted.
+        messages were never taken by recv(); the transport is then aborted, unless
+        abort_on_failure is False: then its receivers stay posted until abort() (for a peer
+        that is late, not gone: its sends on this tag still find a receive).
     ValueError: not started.
 )doc")
       .def(

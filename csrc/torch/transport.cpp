@@ -648,7 +648,7 @@ std::optional<Message> Transport::try_recv() {
   return message;
 }
 
-void Transport::finish() {
+void Transport::finish(bool abort_on_failure) {
   TransportState& s = *state_;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
@@ -710,7 +710,7 @@ void Transport::finish() {
     }
   }
   if (error) {
-    internal::abort_state(s);
+    if (abort_on_failure) internal::abort_state(s);
     std::rethrow_exception(error);
   }
   {

@@ -825,19 +825,20 @@ class PipelineRuntime:
             if send_error is not None and (error is None or isinstance(error, _C.TransportError)):
                 error = send_error  # the cause; a transport error here followed from its abort
             try:
-                self.transport.finish()
+                # Not aborted when it fails: a peer that is late (not gone) may still send on
+                # this tag (its ERROR, its END), and a send to a rank that stopped receiving
+                # waits until gloo's timeout, which closes every pair of the group for good.
+                self.transport.finish(abort_on_failure=False)
                 if self.order_transport is not None and error is None:
-                    self.order_transport.finish()
+                    self.order_transport.finish(abort_on_failure=False)
             except BaseException as exc:  # noqa: BLE001
                 error = error or exc
             self._forget_step()
         if error is not None:
-            # A failed step leaves the channels on this tag unusable (a receive may stay posted).
-            # Every rank fails the step; smp.step then moves every rank to a fresh tag
-            # (fresh_transports), whether its own part failed or not.
-            self.transport.abort()
-            if self.order_transport is not None:
-                self.order_transport.abort()
+            # A failed step leaves the channels on this tag unusable (a receive may stay
+            # posted). Every rank fails the step; after the outcome agreement, when every rank
+            # is done sending on it, smp.step moves every rank to a fresh tag and aborts this
+            # one (fresh_transports), whether its own part failed or not.
             raise error
         results, self.results = self.results, []  # the runtime keeps nothing of a step's data
         return results, self.backward_calls
@@ -846,7 +847,8 @@ class PipelineRuntime:
         """After a step that failed on any rank, called on every rank (the outcome agreement
         says so): the next step talks on a tag no step has used. Deciding this from the agreed
         outcome rather than from this rank's own error keeps the ranks' tags equal: a rank whose
-        part of the step finished (a peer failed after) moves on too."""
+        part of the step finished (a peer failed after) moves on too. The old tag's
+        receivers are aborted only here: every rank has left the step, so none sends on it."""
         self.transport.abort()
         if self.order_transport is not None:
             self.order_transport.abort()

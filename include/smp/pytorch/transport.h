@@ -179,8 +179,11 @@ class Transport {
   /// Throws smp::Error if not started. Throws TransportError if an END cannot be sent, a peer's
   /// END does not arrive within the timeout (the message names it: did it call finish()?), a
   /// receiver failed, or messages remain undelivered (named per peer); the transport is then
-  /// aborted and cannot be started again.
-  void finish();
+  /// aborted and cannot be started again, unless `abort_on_failure` is false: then the
+  /// receivers stay posted (messages a late peer still sends on this tag, its END or an error
+  /// report, are taken instead of leaving its send to time out, which on gloo closes every pair
+  /// of the group) and the caller aborts once every peer is known to be done with the tag.
+  void finish(bool abort_on_failure = true);
 
   /// Stops now, without END: wakes every receiver thread by aborting its pending receive
   /// (Work::abort()), aborts sends in flight, fails waiting recv() calls with TransportError,

@@ -437,11 +437,8 @@ TEST(TransportTest, UserMistakesThrowSmpError) {
   expect_throw<smp::Error>([&] { make(g, {0}, kLong, kTag); }, {"peer 0", "this rank"});
   expect_throw<smp::Error>([&] { make(g, {3}, kLong, kTag); }, {"peer 3", "size 3"});
   expect_throw<smp::Error>([&] { make(g, {-1}, kLong, kTag); }, {"peer -1"});
-  expect_throw<smp::Error>(
-      [&] {
-        make(g, {1, 2, 1}, kLong, kTag);
-      },
-      {"peer 1", "twice", "[1, 2, 1]"});
+  expect_throw<smp::Error>([&] { make(g, {1, 2, 1}, kLong, kTag); },
+                           {"peer 1", "twice", "[1, 2, 1]"});
   expect_throw<smp::Error>([&] { make(g, {1}, milliseconds(0), kTag); }, {"timeout", "got 0"});
   expect_throw<smp::Error>([&] { make(g, {1}, kLong, -3); }, {"tag", "got -3"});
 
@@ -456,16 +453,10 @@ TEST(TransportTest, UserMistakesThrowSmpError) {
   transport.start();
   expect_throw<smp::Error>([&] { transport.start(); }, {"twice"});
   expect_throw<smp::Error>([&] { transport.send(3, {}, {}); }, {"peer 3", "[1, 2]"});
-  expect_throw<smp::Error>(
-      [&] {
-        transport.send(1, {}, {at::ones({1}), at::Tensor()});
-      },
-      {"peer 1", "tensor 1", "undefined"});
-  expect_throw<smp::Error>(
-      [&] {
-        transport.send(2, {}, {at::ones({2, 3}).to_sparse()});
-      },
-      {"peer 2", "tensor 0", "[2, 3]", "Sparse"});
+  expect_throw<smp::Error>([&] { transport.send(1, {}, {at::ones({1}), at::Tensor()}); },
+                           {"peer 1", "tensor 1", "undefined"});
+  expect_throw<smp::Error>([&] { transport.send(2, {}, {at::ones({2, 3}).to_sparse()}); },
+                           {"peer 2", "tensor 0", "[2, 3]", "Sparse"});
   expect_throw<smp::Error>(
       [&] { transport.send(1, {}, {at::empty({4}, at::TensorOptions().device(at::kMeta))}); },
       {"tensor 0", "meta", "CPU"});
@@ -604,6 +595,32 @@ TEST(TransportTest, FinishTimeoutNamesThePeer) {
     EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
     expect_throw<TransportError>([&] { transport.recv(kLong); }, {"aborted"});
     done[r].set();
+  });
+  expect_no_errors(errors);
+}
+
+// finish(abort_on_failure=false) that times out on a late peer keeps receiving: the peer's later
+// message and END are taken (its sends complete) until the caller aborts.
+TEST(TransportTest, FinishWithoutAbortKeepsReceivingForALatePeer) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  Event timed_out;
+  Event peer_done;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, milliseconds(300), kTag);
+    transport.start();
+    if (r == 1) {
+      timed_out.wait();                         // late: rank 0 has given up on its END
+      transport.send(0, {5}, {at::ones({2})});  // completes: rank 0 still receives
+      EXPECT_NO_THROW(transport.finish());      // rank 0's END arrived before it timed out
+      peer_done.set();
+      return;
+    }
+    expect_throw<TransportError>([&] { transport.finish(/*abort_on_failure=*/false); },
+                                 {"no END from peers [1]"});
+    timed_out.set();
+    peer_done.wait();
+    transport.abort();  // the caller's turn, once the peer is done with the tag
   });
   expect_no_errors(errors);
 }
