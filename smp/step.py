@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _NormBase
 
-from smp import _C
+from smp import _C, tree
 from smp.pipeline.runtime import CallStructureChanged
 from smp.state import State, get_state
 
@@ -83,62 +83,55 @@ def microbatch() -> int | None:
 # ---- splitting inputs into microbatches --------------------------------------------------------
 
 
+def _slices_itself(value: Any) -> bool:
+    return hasattr(value, "smp_slice") and callable(value.smp_slice)
+
+
 def _split(value: Any, path: str, axis: int, num_mb: int) -> list[Any] | None:
     """Splits ``value`` into ``num_mb`` pieces, or returns None if it is passed whole.
 
-    Tensors are split along ``axis``; lists, tuples (named ones too) and dicts are split leaf by
-    leaf; an object with ``smp_slice(num_mb, mb, axis)`` slices itself; anything else is whole.
+    Every tensor in it (found by smp.tree: containers, named tuples, mappings of any type,
+    Hugging Face outputs) is split along ``axis``; an object with ``smp_slice(num_mb, mb, axis)``
+    slices itself; 0-d tensors and anything else go whole to every microbatch.
     """
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            return None
-        if not -value.dim() <= axis < value.dim():
-            raise ValueError(
-                f"smp.step: cannot split argument {path} of shape {tuple(value.shape)} along "
-                f"axis {axis}; set input_split_axes for it or list it in non_split_inputs"
-            )
-        length = value.shape[axis]
-        if length % num_mb != 0:
-            raise ValueError(
-                f"smp.step: argument {path} has size {length} along axis {axis}, which is not "
-                f"divisible by microbatches={num_mb}; use a batch size that is a multiple of "
-                f'{num_mb}, change "microbatches", or list the argument in non_split_inputs'
-            )
-        chunk = length // num_mb
-        return [value.narrow(axis, mb * chunk, chunk) for mb in range(num_mb)]
-    if hasattr(value, "smp_slice") and callable(value.smp_slice):
-        return [value.smp_slice(num_mb, mb, axis) for mb in range(num_mb)]
-    if isinstance(value, Mapping):
-        parts = {k: _split(v, f"{path}[{k!r}]", axis, num_mb) for k, v in value.items()}
-        if all(p is None for p in parts.values()):
-            return None
-        return [
-            _rebuild_mapping(value, {k: value[k] if p is None else p[mb] for k, p in parts.items()})
-            for mb in range(num_mb)
-        ]
-    if isinstance(value, (list, tuple)):
-        parts = [_split(v, f"{path}[{i}]", axis, num_mb) for i, v in enumerate(value)]
-        if all(p is None for p in parts):
-            return None
-        pieces = []
-        for mb in range(num_mb):
-            items = [v if p is None else p[mb] for v, p in zip(value, parts)]
-            if isinstance(value, tuple) and hasattr(value, "_fields"):
-                pieces.append(type(value)(*items))
-            else:
-                pieces.append(type(value)(items))
-        return pieces
-    return None
+    leaves, spec = tree.flatten(value, is_leaf=_slices_itself)
+    parts: list[list[Any] | None] = []
+    for i, leaf in enumerate(leaves):
+        if _slices_itself(leaf):
+            parts.append([leaf.smp_slice(num_mb, mb, axis) for mb in range(num_mb)])
+        elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            parts.append(_split_tensor(leaf, lambda i=i: _leaf_path(value, path, i), axis, num_mb))
+        else:
+            parts.append(None)
+    if all(p is None for p in parts):
+        return None
+    return [
+        tree.unflatten([v if p is None else p[mb] for v, p in zip(leaves, parts)], spec)
+        for mb in range(num_mb)
+    ]
 
 
-def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
-    """A mapping of ``original``'s type (dict, OrderedDict, ModelOutput-like) holding ``items``."""
-    if type(original) is dict:
-        return items
-    try:
-        return type(original)(**items)
-    except TypeError:
-        return type(original)(items)
+def _leaf_path(value: Any, path: str, index: int) -> str:
+    return path + tree.leaf_paths(value, is_leaf=_slices_itself)[index]
+
+
+def _split_tensor(
+    value: torch.Tensor, path: Callable[[], str], axis: int, num_mb: int
+) -> list[torch.Tensor]:
+    if not -value.dim() <= axis < value.dim():
+        raise ValueError(
+            f"smp.step: cannot split argument {path()} of shape {tuple(value.shape)} along "
+            f"axis {axis}; set input_split_axes for it or list it in non_split_inputs"
+        )
+    length = value.shape[axis]
+    if length % num_mb != 0:
+        raise ValueError(
+            f"smp.step: argument {path()} has size {length} along axis {axis}, which is not "
+            f"divisible by microbatches={num_mb}; use a batch size that is a multiple of "
+            f'{num_mb}, change "microbatches", or list the argument in non_split_inputs'
+        )
+    chunk = length // num_mb
+    return [value.narrow(axis, mb * chunk, chunk) for mb in range(num_mb)]
 
 
 def _check_names(what: str, names: Iterable[str], signature: inspect.Signature, fn_name: str):
@@ -514,29 +507,28 @@ def _from_pipeline_leader(state: State, results: list[Any], detach: bool) -> lis
 
 
 def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_detached(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
+    return tree.map_tensors(torch.Tensor.detach, value)
 
 
 def _to_step_output(results: list[Any], detach: bool) -> Any:
-    """Per-microbatch results [r0, r1, ...] -> the same structure with StepOutput leaves."""
+    """Per-microbatch results [r0, r1, ...] -> the same structure with StepOutput leaves (one
+    per leaf of smp.tree, holding that leaf of every microbatch)."""
     if not results:
         return StepOutput([])
-    first = results[0]
-    if isinstance(first, Mapping):
-        return _rebuild_mapping(
-            first, {k: _to_step_output([r[k] for r in results], detach) for k in first}
-        )
-    if isinstance(first, (list, tuple)) and not isinstance(first, torch.Size):
-        items = [_to_step_output([r[i] for r in results], detach) for i in range(len(first))]
-        if isinstance(first, tuple) and hasattr(first, "_fields"):
-            return type(first)(*items)
-        return type(first)(items)
-    if detach:
-        results = [r.detach() if isinstance(r, torch.Tensor) else r for r in results]
-    return StepOutput(results)
+    flat = [tree.flatten(r) for r in results]
+    leaves, spec = flat[0]
+    for mb, (_, other) in enumerate(flat[1:], start=1):
+        if other != spec:
+            raise ValueError(
+                "smp.step: the step function returned results of different structures in "
+                f"microbatch 0 ({spec}) and microbatch {mb} ({other}); return the same nesting "
+                "from every microbatch"
+            )
+
+    def gathered(j: int) -> StepOutput:
+        values = [f[0][j] for f in flat]
+        if detach:
+            values = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+        return StepOutput(values)
+
+    return tree.unflatten([gathered(j) for j in range(len(leaves))], spec)

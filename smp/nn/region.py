@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp import tree
 from smp.nn import functional as tpf
 
 __all__ = ["in_region", "batch_is_shared", "run_region", "region_name", "DivergentArgumentsError"]
@@ -123,32 +124,6 @@ def region_name(module: nn.Module) -> str:
     return getattr(module, "_smp_region_name", None) or type(module).__name__
 
 
-# ---- tensors in nested arguments ----------------------------------------------------------------
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(o, fn) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
-    return obj
-
-
-def _tensors_of(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def visit(t: torch.Tensor) -> torch.Tensor:
-        found.append(t)
-        return t
-
-    _map_tensors(obj, visit)
-    return found
-
-
 # ---- the region ---------------------------------------------------------------------------------
 
 
@@ -200,10 +175,10 @@ def run_region(
             return tpf.scatter_to_region(t, 0, group)
         return t
 
-    args, kwargs = _map_tensors((args, kwargs), gather)
+    args, kwargs = tree.map_tensors(gather, (args, kwargs))
     with _region_scope():
         output = fn(*args, **kwargs)
-    return _map_tensors(output, scatter)
+    return tree.map_tensors(scatter, output)
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict, moves_batch: bool) -> Any:
@@ -675,7 +650,7 @@ def _keep_own(outputs: list[Any], rank: int, group: Any) -> Any:
     counts: list[int] = []
     layouts: list[list[tuple[list[int], list[torch.Size]]]] = []
     for out in outputs:
-        leaves = [t for t in _tensors_of(out) if t.is_floating_point()]
+        leaves = [t for t in tree.tensors(out) if t.is_floating_point()]
         buckets: dict[tuple, list[int]] = {}
         for i, t in enumerate(leaves):
             buckets.setdefault((t.dtype, t.device), []).append(i)
@@ -700,7 +675,7 @@ def _keep_own(outputs: list[Any], rank: int, group: Any) -> Any:
     def swap(t: torch.Tensor) -> torch.Tensor:
         return replaced[next(position)] if t.is_floating_point() else t
 
-    return _map_tensors(outputs[rank], swap)
+    return tree.map_tensors(swap, outputs[rank])
 
 
 def _run_in_turn(

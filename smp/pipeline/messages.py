@@ -52,7 +52,6 @@ __all__ = [
     "slots_of",
     "structure",
     "describe",
-    "map_tensors",
     "fingerprint",
     "assign",
 ]
@@ -287,29 +286,6 @@ def _describe(value: Any, depth: int) -> str:
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-
-
-def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``value`` rebuilt with every tensor ``t`` replaced by ``fn(t)``. Tuples, lists and dicts
-    are walked directly; any other object holding tensors is rebuilt through :func:`pack` /
-    :func:`fill` (a copy); values without tensors are kept as they are."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, _PLAIN):
-        return value
-    if type(value) is tuple or type(value) is list:
-        return type(value)(map_tensors(v, fn) for v in value)
-    if type(value) is dict:
-        return {k: map_tensors(v, fn) for k, v in value.items()}
-    local: list = []
-    try:
-        skeleton, tensors = pack(value, local_modules=local)
-    except TypeError:
-        return value  # not ours to carry: the caller meets it as it is
-    if not tensors:
-        return value
-    table = {f"#{i}": m for i, m in enumerate(local)}
-    return fill(Skeleton.of(skeleton), [fn(t) for t in tensors], table)
 
 
 def fingerprint(value: Any) -> bytes | None:

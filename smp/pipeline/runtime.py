@@ -24,14 +24,13 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree
 from torch import nn
 
-from smp import _C
+from smp import _C, tree
 from smp.pipeline import messages, segments
 from smp.pipeline.cache import LRU
 from smp.pipeline.context import CallMode, StepContext
@@ -165,7 +164,7 @@ def _resolve_module_args(module, args):
     worker = getattr(_current, "worker", None)
     if worker is not None and id(module) in worker.runtime.slice_before:
         worker.maybe_slice()
-    if any(isinstance(a, (_Future, list, tuple, dict)) for a in args):
+    if any(isinstance(a, (_Future, list, tuple, Mapping)) for a in args):
         return _resolve_tree(args)
     return None
 
@@ -174,13 +173,15 @@ def _resolve(value):
     return value._smp_value() if isinstance(value, _Future) else value
 
 
-def _resolve_tree(tree):
-    return torch.utils._pytree.tree_map(_resolve, tree)
+def _resolve_tree(value):
+    """``value`` with every future replaced by its value (objects other than containers kept)."""
+    return tree.map_tensors(_resolve, value)
 
 
 def _resolve_results(value):
-    """A step function's results with every future replaced by its value."""
-    return messages.map_tensors(value, _resolve)
+    """A step function's or served call's results with every future replaced by its value,
+    inside any object too (a cache, a dataclass: rebuilt, smp.tree's ``objects``)."""
+    return tree.map_tensors(_resolve, value, objects=True)
 
 
 def _call_and_note_changes(module: nn.Module, args: tuple, kwargs: dict, values: list, worker):

@@ -14,7 +14,6 @@ from smp.pipeline.messages import (
     assign,
     describe,
     fingerprint,
-    map_tensors,
     pack,
     slots,
     structure,
@@ -154,11 +153,14 @@ def test_assign_makes_the_callers_object_hold_the_new_state():
         assign([1], {"a": 1})
 
 
-def test_map_tensors_reaches_tensors_inside_objects():
+def test_the_walker_reaches_tensors_inside_objects_it_can_carry():
+    from smp import tree
+
     cache = Cache()
     cache.update(torch.ones(1, 2))
-    doubled = map_tensors({"c": cache, "n": 3}, lambda t: t * 2)
+    doubled = tree.map_tensors(lambda t: t * 2, {"c": cache, "n": 3}, objects=True)
     assert doubled["n"] == 3 and doubled["c"] is not cache
     torch.testing.assert_close(doubled["c"].keys[0], torch.full((1, 2), 2.0))
     plain = {"n": 3}
-    assert map_tensors(Cache(), lambda t: t).seen == 0 and map_tensors(plain, abs) == plain
+    assert tree.map_tensors(lambda t: t, Cache(), objects=True).seen == 0
+    assert tree.map_tensors(abs, plain, objects=True) == plain
