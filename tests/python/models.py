@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from model import GPT, GPTConfig, lm_loss  # examples/gpt, put on sys.path by conftest
@@ -147,3 +148,55 @@ def tiny_hf_model(kind: str, vocab: int = 64, seq: int = 8):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
     )  # fmt: skip
     return t.LlamaForCausalLM(config)
+
+
+_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def exact_steps(smp, make, place, variants, seed, microbatches, before_step, after_step) -> list:
+    """Trains ``make()`` under smp (placed by ``place(module)``) and a single-process reference
+    copy with SGD, one step per entry of ``variants`` (both models' ``variant`` for that step),
+    checking the loss and every owned gradient each step. Calls ``before_step(step, module)``
+    before and returns ``after_step(step)`` after each smp step. A variant of None is a step
+    that must fail (on every rank); it returns the error's text and leaves the models as they
+    were."""
+    torch.manual_seed(0)
+    reference = make()
+    torch.manual_seed(0)
+    module = make()
+    place(module)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step, variant in enumerate(variants):
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+        optimizer.zero_grad()
+        before_step(step, module)
+        if variant is None:
+            with pytest.raises(Exception) as info:
+                train_step(model, x, y)
+            out.append(str(info.value))
+            continue
+        module.variant = reference.variant = variant
+        loss = train_step(model, x, y).reduce_mean()
+        out.append(after_step(step))
+        reference_optimizer.zero_grad()
+        ref_loss = 0.0
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            mb_loss = F.cross_entropy(reference(xs), ys) / microbatches
+            mb_loss.backward()
+            ref_loss += mb_loss.item()
+        assert abs(loss.item() - ref_loss) < 1e-5, (step, loss.item(), ref_loss)
+        assert assert_owned_grads_match(model, reference, smp.pp_rank(), _TOL) > 0
+        optimizer.step()
+        reference_optimizer.step()
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models import assert_owned_grads_match
+from models import assert_owned_grads_match, exact_steps
 from torch import nn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -59,55 +59,6 @@ def _place(model: Chain, smp) -> None:
         smp.set_partition(block, 1)
 
 
-def _exact_steps(smp, make, place, variants, seed, microbatches, before_step, after_step) -> list:
-    """Trains ``make()`` under smp (placed by ``place(module)``) and a single-process reference
-    copy with SGD, one step per entry of ``variants`` (both models' ``variant`` for that step),
-    checking the loss and every owned gradient each step. Calls ``before_step(step, module)``
-    before and returns ``after_step(step)`` after each smp step. A variant of None is a step
-    that must fail (on every rank); it returns the error's text and leaves the models as they
-    were."""
-    torch.manual_seed(0)
-    reference = make()
-    torch.manual_seed(0)
-    module = make()
-    place(module)
-    model = smp.DistributedModel(module)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for step, variant in enumerate(variants):
-        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
-        optimizer.zero_grad()
-        before_step(step, module)
-        if variant is None:
-            with pytest.raises(Exception) as info:
-                train_step(model, x, y)
-            out.append(str(info.value))
-            continue
-        module.variant = reference.variant = variant
-        loss = train_step(model, x, y).reduce_mean()
-        out.append(after_step(step))
-        reference_optimizer.zero_grad()
-        ref_loss = 0.0
-        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
-            mb_loss = F.cross_entropy(reference(xs), ys) / microbatches
-            mb_loss.backward()
-            ref_loss += mb_loss.item()
-        assert abs(loss.item() - ref_loss) < 1e-5, (step, loss.item(), ref_loss)
-        assert assert_owned_grads_match(model, reference, smp.pp_rank(), TOL) > 0
-        optimizer.step()
-        reference_optimizer.step()
-    return out
-
-
 def _chain_worker(options: dict, microbatches: int):
     import smp
     from smp.pipeline import runtime
@@ -128,7 +79,7 @@ def _chain_worker(options: dict, microbatches: int):
     runtime._Worker.wait_for = counting_wait_for
     runtime.PipelineRuntime._await_values = counting_await_values
     try:
-        per_step = _exact_steps(
+        per_step = exact_steps(
             smp, Chain, lambda m: _place(m, smp), [0, 0, 1, 0, 1], 3, microbatches,
             lambda step, module: waits.__setitem__(0, 0) or fetches.__setitem__(0, 0),
             lambda step: (waits[0], fetches[0]),
@@ -394,7 +345,7 @@ def _four_stage_worker(microbatches: int):
         counts.update(waits=0, fetches=0, peer_inputs=0, overtaken=0)
 
     try:
-        per_step = _exact_steps(
+        per_step = exact_steps(
             smp, FourStages, place, [0, 0, 0, 1, 1, 0], 7, microbatches, before_step,
             lambda step: dict(counts),
         )  # fmt: skip
@@ -452,7 +403,7 @@ def _four_stage_failure_worker():
 
     # Step 2 (the chain, as in step 1) fails in b2 on stage 2, whose input comes straight from
     # stage 1 and whose output stage 3 is fetching; the steps after it are exact again.
-    return _exact_steps(smp, make, place, [1, 0, None, 1, 0], 11, 4, before_step, lambda s: None)
+    return exact_steps(smp, make, place, [1, 0, None, 1, 0], 11, 4, before_step, lambda s: None)
 
 
 def test_a_failure_between_directly_connected_stages_fails_the_step_only(pools):
@@ -492,7 +443,7 @@ def _derived_worker(async_calls: bool):
             smp.set_partition(getattr(module, name), 0)
         smp.set_partition(module.remote, 1)
 
-    _exact_steps(
+    exact_steps(
         smp, UsesAValueAndItsNorm, place, [0, 1, 0, 1], 13, 2, lambda s, m: None, lambda s: None
     )
 
@@ -610,7 +561,7 @@ def _split_worker(deferred: int):
         return runtime.weights_run, runtime.slices_run
 
     # Step 2 fails in a weight half on stage 1; the steps after it are exact again.
-    return _exact_steps(smp, SplitChain, place, [0, 0, None, 0], 13, 4, before_step, after_step)
+    return exact_steps(smp, SplitChain, place, [0, 0, None, 0], 13, 4, before_step, after_step)
 
 
 @pytest.mark.parametrize("deferred", [0, 1, 4])

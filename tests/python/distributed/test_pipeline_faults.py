@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from models import assert_owned_grads_match
+from models import exact_steps
 from torch import nn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -49,38 +49,13 @@ def _discards_worker(options: dict, steps: int, delay_s: float):
     import smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 4} | options)
-    torch.manual_seed(0)
-    reference = Discards()
-    torch.manual_seed(0)
-    module = Discards()
-    for path, stage in (("", 0), ("a", 0), ("side", 1), ("block", 1), ("head", 0)):
-        smp.set_partition(module.get_submodule(path), stage)
-    module.block.delay_s = delay_s
-    model = smp.DistributedModel(module)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
+    def place(module):
+        for path, stage in (("", 0), ("a", 0), ("side", 1), ("block", 1), ("head", 0)):
+            smp.set_partition(module.get_submodule(path), stage)
+        module.block.delay_s = delay_s
 
-    g = torch.Generator().manual_seed(7)
-    for step in range(steps):
-        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
-        optimizer.zero_grad()
-        loss = train_step(model, x, y).reduce_mean()
-        reference_optimizer.zero_grad()
-        ref_loss = 0.0
-        for xs, ys in zip(x.chunk(4), y.chunk(4)):
-            mb_loss = F.cross_entropy(reference(xs), ys) / 4
-            mb_loss.backward()
-            ref_loss += mb_loss.item()
-        assert abs(loss.item() - ref_loss) < 1e-5, (step, loss.item(), ref_loss)
-        assert assert_owned_grads_match(model, reference, smp.pp_rank(), TOL) > 0
-        optimizer.step()
-        reference_optimizer.step()
+    exact_steps(smp, Discards, place, [0] * steps, 7, 4, lambda *_: None, lambda _: None)
     return steps
 
 
@@ -189,21 +164,34 @@ class SaysTimedOut(nn.Linear):
         return super().forward(x)
 
 
-class CallsIt(nn.Module):
-    def __init__(self):
+class Hangs(nn.Linear):
+    """Waits for ``release`` when armed: a forward that hangs (a lock never freed, say)."""
+
+    armed = False
+    release = threading.Event()
+
+    def forward(self, x):
+        if self.armed:
+            type(self).release.wait(60)
+        return super().forward(x)
+
+
+class TwoLayers(nn.Module):
+    """``a`` on stage 0, then ``b`` (of class ``second``) on stage 1."""
+
+    def __init__(self, second: type[nn.Linear]):
         super().__init__()
         self.a = nn.Linear(4, 4)
-        self.b = SaysTimedOut(4, 4)
+        self.b = second(4, 4)
 
     def forward(self, x):
         return self.b(self.a(x))
 
 
-def _user_error_worker():
-    import smp
-
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
-    module = CallsIt()
+def _armed(smp, second: type[nn.Linear], config: dict):
+    """A pipelined TwoLayers after one good step, and its step function; arm ``module.b``."""
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2} | config)
+    module = TwoLayers(second)
     for path, stage in (("", 0), ("a", 0), ("b", 1)):
         smp.set_partition(module.get_submodule(path), stage)
     model = smp.DistributedModel(module)
@@ -214,10 +202,20 @@ def _user_error_worker():
         model.backward(out)
         return out
 
-    train_step(model, torch.randn(4, 4))
+    def step():
+        return train_step(model, torch.randn(4, 4))
+
+    step()
+    return module, step
+
+
+def _user_error_worker():
+    import smp
+
+    module, step = _armed(smp, SaysTimedOut, {})
     module.b.armed = True
     try:
-        train_step(model, torch.randn(4, 4))
+        step()
     except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
         return type(exc).__name__, str(exc).splitlines()[0]
     return None
@@ -233,48 +231,14 @@ def test_a_user_error_is_the_cause_whatever_its_words(pools):
     assert "ValueError: gloo: connection timed out" in text0, text0
 
 
-class Hangs(nn.Linear):
-    """Waits for ``release`` when armed: a forward that hangs (a lock never freed, say)."""
-
-    armed = False
-    release = threading.Event()
-
-    def forward(self, x):
-        if self.armed:
-            type(self).release.wait(60)
-        return super().forward(x)
-
-
-class CallsHangs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = Hangs(4, 4)
-
-    def forward(self, x):
-        return self.b(self.a(x))
-
-
 def _hang_worker():
     import smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 3})
-    module = CallsHangs()
-    for path, stage in (("", 0), ("a", 0), ("b", 1)):
-        smp.set_partition(module.get_submodule(path), stage)
-    model = smp.DistributedModel(module)
-
-    @smp.step
-    def train_step(model, x):
-        out = model(x).sum()
-        model.backward(out)
-        return out
-
-    train_step(model, torch.randn(4, 4))
+    module, step = _armed(smp, Hangs, {"timeout_s": 3})
     module.b.armed = True
     start = time.monotonic()
     try:
-        train_step(model, torch.randn(4, 4))
+        step()
         failure = None
     except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
         failure = str(exc).splitlines()[0]
@@ -282,7 +246,7 @@ def _hang_worker():
     Hangs.release.set()  # the hung forward returns; its worker must not disturb what follows
     module.b.armed = False
     for _ in range(3):
-        train_step(model, torch.randn(4, 4))
+        step()
     return failure, took
 
 
