@@ -8,11 +8,18 @@ allowed, e.g. ``smp config: "microbatches" must be an int >= 1, got 0``.
 import dataclasses
 import difflib
 import itertools
+import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Config", "build_config"]
+__all__ = ["Config", "build_config", "config_source", "ENVIRONMENT_VARIABLES"]
+
+# Where smp.init() without a dict finds the job's configuration, first match wins: smp's own
+# launcher-neutral variable (a JSON object, or the path of a file holding one), then the one
+# the SageMaker launcher sets for SMP v1 scripts (a JSON object).
+ENVIRONMENT_VARIABLES = ("SMP_CONFIG", "SM_HP_MP_PARAMETERS")
 
 _ALIASES = {"partitions": "pipeline_parallel_degree"}
 _PIPELINES = ("interleaved", "simple", "static")
@@ -268,3 +275,53 @@ def build_config(user: Mapping[str, Any] | None, world_size: int | None = None) 
                 f"over the extra ranks), got False; set ddp=True or launch {mp} processes"
             )
     return config
+
+
+def config_source(
+    config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> tuple[Any, str, list[str]]:
+    """The configuration ``smp.init(config)`` uses, where it came from (for the log), and the
+    variables of :data:`ENVIRONMENT_VARIABLES` that are set but not used (an explicit dict won).
+
+    An explicit ``config`` (a dict, even ``{}``) wins. Without one, the first of
+    :data:`ENVIRONMENT_VARIABLES` that is set and not empty is read: ``SMP_CONFIG`` holds a JSON
+    object or the path of a JSON file, ``SM_HP_MP_PARAMETERS`` (set by the SageMaker launcher)
+    a JSON object. Without either, every key takes its default.
+
+    Raises:
+        ValueError: a variable that is not a JSON object (or a path to one), naming it.
+    """
+    environ = os.environ if environ is None else environ
+    present = [name for name in ENVIRONMENT_VARIABLES if environ.get(name, "").strip()]
+    if config is not None:
+        return config, "the dict given to smp.init()", present
+    if not present:
+        unset = " or ".join(ENVIRONMENT_VARIABLES)
+        return None, f"defaults (no dict given to smp.init(), {unset} not set)", []
+    name = present[0]
+    text = environ[name].strip()
+    where = f"environment variable {name}"
+    if name == "SMP_CONFIG" and not text.startswith("{"):
+        try:
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ValueError(
+                f"smp config: {name}={environ[name]!r} is neither a JSON object nor a readable "
+                f"file ({exc.strerror}); set it to JSON such as "
+                "'{\"pipeline_parallel_degree\": 2}' or to the path of a file holding it"
+            ) from None
+        where = f"file {environ[name].strip()!r} named by {name}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"smp config: {where} is not valid JSON ({exc.msg} at line {exc.lineno} column "
+            f"{exc.colno}): {text[:200]!r}"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"smp config: {where} must hold a JSON object of smp keys, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return value, where, present[1:]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from smp import _C
-from smp.config import Config, build_config
+from smp.config import Config, build_config, config_source
 
 __all__ = ["State", "init", "shutdown", "is_initialized", "get_state"]
 
@@ -173,13 +173,18 @@ def init(config: dict[str, Any] | None = None) -> None:
     group is used as it is. Calling ``init`` again replaces the previous smp state.
 
     Args:
-        config: the keys of api.md §1; None or {} for all defaults.
+        config: the keys of api.md §1. None reads them from the environment variable
+            ``SMP_CONFIG`` (a JSON object or the path of a JSON file) or, if that is not set,
+            ``SM_HP_MP_PARAMETERS`` (the JSON object SageMaker sets for SMP v1 scripts);
+            without either every key takes its default. A dict (even {}) wins over both.
+            Rank 0 logs where the configuration came from.
 
     Raises:
         ValueError: a bad key, value or degree — raised before any process group is created.
         RuntimeError: the launcher's environment is incomplete.
     """
     global _state, _atexit_registered, _generation
+    config, source, unused = config_source(config)
     build_config(config)  # types and ranges first: nothing below runs on a bad config
 
     if dist.is_initialized():
@@ -237,14 +242,20 @@ def init(config: dict[str, Any] | None = None) -> None:
         _atexit_registered = True
     if rank == 0:
         logger.info(
-            "smp initialised: world %d = pp %d x tp %d x rdp %d (%s), backend %s",
+            "smp initialised: world %d = pp %d x tp %d x rdp %d (%s), backend %s; "
+            "configuration from %s",
             world_size,
             topology.pp_size,
             topology.tp_size,
             topology.rdp_size,
             topology.placement,
             backend,
+            source,
         )
+        if unused:
+            logger.warning(
+                "smp: configuration from %s; %s also set and not used", source, ", ".join(unused)
+            )
 
 
 def _build_groups(state: State, timeout: datetime.timedelta) -> None:

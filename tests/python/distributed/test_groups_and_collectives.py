@@ -147,3 +147,26 @@ def _degrees_worker():
 def test_degrees_that_do_not_divide_the_world_fail_on_every_rank(pools):
     for message in pools.run(2, _degrees_worker):
         assert message is not None and "world size 2" in message and "3" in message
+
+
+def _environment_worker(variable: str, value: str) -> tuple:
+    import os
+
+    import smp
+    from smp.state import get_state
+
+    os.environ[variable] = value
+    try:
+        smp.init()
+        cfg = get_state().config
+        return smp.pp_size(), smp.dp_size(), cfg.microbatches
+    finally:
+        del os.environ[variable]
+
+
+@pytest.mark.parametrize("variable", ["SM_HP_MP_PARAMETERS", "SMP_CONFIG"])
+def test_init_without_a_dict_reads_the_job_configuration(pools, variable):
+    """Under a launcher that sets SMP v1's SM_HP_MP_PARAMETERS (or smp's SMP_CONFIG), smp.init()
+    uses it: 2 pipeline stages, not 1 stage x 2 data-parallel ranks."""
+    value = '{"partitions": 2, "microbatches": 4, "ddp": true}'
+    assert pools.run(2, _environment_worker, variable, value) == [(2, 1, 4)] * 2

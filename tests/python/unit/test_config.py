@@ -427,3 +427,51 @@ def test_ddp_false_needs_exact_world():
 @pytest.mark.parametrize("bad", [0, -2, True, 2.0, "4"])
 def test_world_size_bad(bad):
     expect_error(None, "world size", f"got {bad!r}", world_size=bad)
+
+
+# ---- where smp.init() finds the configuration ----------------------------------------------------
+
+
+def test_an_explicit_dict_wins_over_the_environment():
+    from smp.config import config_source
+
+    env = {"SM_HP_MP_PARAMETERS": '{"partitions": 2}', "SMP_CONFIG": '{"microbatches": 2}'}
+    config, source, unused = config_source({"microbatches": 4}, env)
+    assert config == {"microbatches": 4} and source == "the dict given to smp.init()"
+    assert unused == ["SMP_CONFIG", "SM_HP_MP_PARAMETERS"]
+    assert config_source({}, {})[0] == {}
+
+
+def test_smp_config_then_the_sagemaker_variable_then_defaults(tmp_path):
+    from smp.config import config_source
+
+    env = {"SM_HP_MP_PARAMETERS": '{"partitions": 2, "microbatches": 4}'}
+    config, source, unused = config_source(None, env)
+    assert config == {"partitions": 2, "microbatches": 4}
+    assert source == "environment variable SM_HP_MP_PARAMETERS" and unused == []
+    env["SMP_CONFIG"] = ' {"microbatches": 8} '
+    config, source, unused = config_source(None, env)
+    assert config == {"microbatches": 8} and unused == ["SM_HP_MP_PARAMETERS"]
+    path = tmp_path / "smp.json"
+    path.write_text('{"pipeline_parallel_degree": 2}')
+    config, source, _ = config_source(None, {"SMP_CONFIG": str(path)})
+    assert config == {"pipeline_parallel_degree": 2} and str(path) in source
+    config, source, _ = config_source(None, {"SMP_CONFIG": "  "})
+    assert config is None and source.startswith("defaults")
+
+
+@pytest.mark.parametrize(
+    "env,words",
+    [
+        ({"SM_HP_MP_PARAMETERS": "{partitions: 2}"}, ["SM_HP_MP_PARAMETERS", "not valid JSON"]),
+        ({"SM_HP_MP_PARAMETERS": "[2]"}, ["must hold a JSON object", "list [2]"]),
+        ({"SMP_CONFIG": "/no/such/file.json"}, ["SMP_CONFIG='/no/such/file.json'", "readable"]),
+    ],
+)
+def test_a_bad_variable_is_named(env, words):
+    from smp.config import config_source
+
+    with pytest.raises(ValueError) as info:
+        config_source(None, env)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
