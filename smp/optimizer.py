@@ -1,12 +1,16 @@
-"""``smp.DistributedOptimizer``: wraps a torch optimizer built from ``model.parameters()``
-(api.md §4).
+"""``smp.DistributedOptimizer``: the user's torch optimizer, with smp's methods (api.md §4).
 
-Gradients reaching ``step()`` are already reduced by ``smp.step``; this wrapper keeps the torch
-optimizer's interface and adds ``clip_grad_norm_`` over the global gradient norm.
+As in SMP v1, ``smp.DistributedOptimizer(optimizer)`` returns ``optimizer`` itself, its class
+swapped for a subclass of both its own class and :class:`DistributedOptimizer`: it stays a
+``torch.optim.Optimizer`` (and an ``AdamW``, ...), so LR schedulers and any code that checks the
+type take it. Gradients reaching ``step()`` are already reduced by ``smp.step``; the overrides
+add ``clip_grad_norm_`` over the global gradient norm and make ``state_dict()`` the full state
+(gathered over the pipeline and tensor-parallel groups) with ``local_state_dict()`` this rank's.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -17,47 +21,70 @@ from smp.state import get_state
 
 __all__ = ["DistributedOptimizer"]
 
+logger = logging.getLogger("smp")
 
-class DistributedOptimizer:
-    """Wraps ``optimizer`` for smp.
+_classes: dict[type, type] = {}
+
+
+def _distributed_class(cls: type) -> type:
+    """``cls`` with DistributedOptimizer's methods first (one class per optimizer class)."""
+    if cls not in _classes:
+        _classes[cls] = type(
+            f"Distributed{cls.__name__}",
+            (DistributedOptimizer, cls),
+            {"__module__": cls.__module__},
+        )
+    return _classes[cls]
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Makes ``optimizer`` smp's: returns the same object, a ``DistributedOptimizer`` now.
 
     Args:
         optimizer: a torch.optim.Optimizer over the DistributedModel's parameters.
-        static_loss_scale: loss scale for fp16 training (1.0: off).
-        dynamic_loss_scale: adapt the loss scale for fp16 training.
+        static_loss_scale, dynamic_loss_scale, dynamic_loss_args: fp16 loss scaling, as in SMP
+            v1; accepted and unused while ``fp16`` is off (as v1 does), not built yet with it.
 
     Raises:
         ValueError: ``optimizer`` is not a torch optimizer.
-        NotImplementedError: loss scaling, which arrives with fp16 support.
+        NotImplementedError: loss scaling with ``fp16`` on (mixed precision is not built yet).
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
+    def __new__(
+        cls,
+        optimizer: torch.optim.Optimizer | None = None,
         static_loss_scale: float = 1.0,
         dynamic_loss_scale: bool = False,
-        **dynamic_loss_args: Any,
+        dynamic_loss_args: dict[str, Any] | None = None,
+        **kwargs: Any,
     ):
-        get_state()
+        if optimizer is None and cls is not DistributedOptimizer:
+            return super().__new__(cls)  # copy.deepcopy rebuilding a Distributed<Optimizer>
+        state = get_state()
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(
                 "smp.DistributedOptimizer wraps a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}"
             )
-        if static_loss_scale != 1.0 or dynamic_loss_scale or dynamic_loss_args:
+        scaling = static_loss_scale != 1.0 or dynamic_loss_scale or dynamic_loss_args or kwargs
+        if scaling and state.config.fp16:
             raise NotImplementedError(
-                "smp.DistributedOptimizer: loss scaling (static_loss_scale != 1.0, "
-                "dynamic_loss_scale) comes with fp16 support, which this version does not have"
+                "smp.DistributedOptimizer: loss scaling for fp16 is not built yet "
+                "(static_loss_scale, dynamic_loss_scale)"
             )
-        self.optimizer = optimizer
+        if scaling:
+            logger.info("smp.DistributedOptimizer: loss-scale arguments unused (fp16 is off)")
+        if not isinstance(optimizer, DistributedOptimizer):
+            optimizer.__class__ = _distributed_class(type(optimizer))
+        return optimizer
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None = None, *args: Any, **kwargs: Any):
+        pass  # the optimizer is built already: __new__ returned it as it is
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer itself (smp's earlier wrapper exposed it here)."""
+        return self
 
     def step(self, closure=None):
         """One optimizer step on the reduced gradients (call it outside the step function)."""
@@ -66,20 +93,36 @@ class DistributedOptimizer:
                 "optimizer.step() must be called after the @smp.step function returns, not "
                 "inside it"
             )
-        return self.optimizer.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The full optimizer state (the local one equals it while pp = tp = 1)."""
-        return self.optimizer.state_dict()
+        return super().step(closure)
 
     def local_state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """This rank's optimizer state: its stage's parameters, its tensor-parallel shards."""
+        return super().state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state, as one process training the whole model would hold it:
+        every stage's entries, tensor-parallel shards joined to full shapes. A collective over
+        the pipeline and tensor-parallel groups: every rank must call it."""
+        local = self.local_state_dict()
+        state = get_state()
+        params = [p for group in self.param_groups for p in group["params"]]
+        entries = _unshard(local["state"], params, state)
+        if state.axis_size("pp") > 1:
+            entries = {i: {k: _cpu(v) for k, v in e.items()} for i, e in entries.items()}
+            parts: list[Any] = [None] * state.axis_size("pp")
+            dist.all_gather_object(parts, entries, group=state.groups["pp"])
+            entries = {i: e for part in parts for i, e in part.items()}
+        return {"state": dict(sorted(entries.items())), "param_groups": local["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        """Loads a full state (from :meth:`state_dict`, or one process's optimizer over the
+        same model): each rank takes its stage's entries and its tensor-parallel shards."""
+        state = get_state()
+        params = [p for group in self.param_groups for p in group["params"]]
+        owned = {i for i, p in enumerate(params) if p.numel() > 0}
+        entries = {i: e for i, e in state_dict["state"].items() if int(i) in owned}
+        entries = _shard(entries, params, state)
+        super().load_state_dict({"state": entries, "param_groups": state_dict["param_groups"]})
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scales every gradient so the global ``norm_type`` norm is at most ``max_norm``.
@@ -126,3 +169,54 @@ class DistributedOptimizer:
             for g in all_grads:
                 g.detach().mul_(coefficient.to(g.dtype))
         return norm
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _split_of(param: torch.Tensor) -> tuple[int, int] | None:
+    return getattr(param, "_smp_tp_split", None)
+
+
+def _unshard(entries: dict, params: list, state) -> dict:
+    """Optimizer state with each tensor shaped like a TP-split parameter's shard joined to the
+    full shape (an all-gather over the TP group per tensor, in index order on every TP rank)."""
+    if state.axis_size("tp") == 1:
+        return entries
+    from smp.nn.functional import unshard_tensor
+
+    group, n = state.groups["tp"], state.axis_size("tp")
+    out = {}
+    for index in sorted(entries):
+        entry, param = dict(entries[index]), params[index]
+        split = _split_of(param)
+        for key, value in sorted(entry.items()):
+            if split is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
+                shard = value.detach().contiguous()
+                parts = [torch.empty_like(shard) for _ in range(n)]
+                dist.all_gather(parts, shard, group=group)
+                entry[key] = unshard_tensor(parts, split[0], split[1])
+        out[index] = entry
+    return out
+
+
+def _shard(entries: dict, params: list, state) -> dict:
+    """The inverse of :func:`_unshard` for this TP rank: full-shape tensors of split
+    parameters cut to this rank's shard."""
+    if state.axis_size("tp") == 1:
+        return entries
+    from smp.nn.functional import shard_tensor
+
+    n, r = state.axis_size("tp"), state.axis_rank("tp")
+    out = {}
+    for index, entry in entries.items():
+        param, entry = params[int(index)], dict(entry)
+        split = _split_of(param)
+        for key, value in entry.items():
+            if split is None or not isinstance(value, torch.Tensor) or value.dim() <= split[0]:
+                continue
+            if value.size(split[0]) == param.size(split[0]) * n:
+                entry[key] = shard_tensor(value, split[0], split[1], n, r)
+        out[index] = entry
+    return out

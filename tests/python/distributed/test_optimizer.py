@@ -1,0 +1,83 @@
+"""smp.DistributedOptimizer as SMP v1 made it: the user's optimizer itself (a torch Optimizer that
+LR schedulers take), with state_dict() the full state gathered over the pipeline and
+tensor-parallel groups, and load_state_dict() taking it back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import build_model, loss_fn, make_batch, parity_adamw
+
+
+def _optimizer_worker(pp: int, tp: int):
+    import smp
+
+    smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "microbatches": 2})
+    torch.manual_seed(0)
+    reference = build_model("gpt")
+    torch.manual_seed(0)
+    module = build_model("gpt")
+    if tp > 1:
+        from model import Block
+
+        smp.tp_register_plan(
+            Block,
+            column=["attn.c_attn", "mlp.c_fc"],
+            row=["attn.c_proj", "mlp.c_proj"],
+            fused={"attn.c_attn": 3},
+            heads=[("attn", "n_head")],
+        )
+        for block in module.h:
+            smp.set_tensor_parallelism(block)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(parity_adamw(model.parameters()))
+    assert isinstance(optimizer, torch.optim.AdamW) and isinstance(
+        optimizer, smp.DistributedOptimizer
+    )
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    reference_optimizer = parity_adamw(reference.parameters())
+    reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, 1, gamma=0.5)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = loss_fn("gpt", model(x), y)
+        model.backward(loss)
+        return loss
+
+    for step in range(2):
+        x, y = make_batch("gpt", 4, step)
+        optimizer.zero_grad()
+        train_step(model, x, y)
+        optimizer.step()
+        scheduler.step()
+        reference_optimizer.zero_grad()
+        loss_fn("gpt", reference(x), y).backward()
+        reference_optimizer.step()
+        reference_scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == reference_optimizer.param_groups[0]["lr"]
+
+    full = optimizer.state_dict()
+    expected = reference_optimizer.state_dict()
+    assert len(full["state"]) == len(expected["state"])  # every stage's entries, once
+    shapes = sorted(tuple(p.shape) for p in reference.parameters())
+    assert sorted(tuple(e["exp_avg"].shape) for e in full["state"].values()) == shapes
+    if tp == 1:  # the same parameters in the same order: compare entry by entry
+        for index, entry in expected["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(
+                    full["state"][index][key], entry[key], rtol=1e-4, atol=1e-6
+                )
+    before = optimizer.local_state_dict()
+    optimizer.load_state_dict(full)  # the full state back: each rank takes its part
+    after = optimizer.local_state_dict()
+    assert sorted(before["state"]) == sorted(after["state"])
+    for index, entry in before["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(after["state"][index][key], value, rtol=0, atol=0)
+    return len(before["state"])
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)])
+def test_the_optimizer_is_a_torch_optimizer_with_the_full_state(pools, pp, tp):
+    locals_ = pools.run(pp * tp, _optimizer_worker, pp, tp, timeout_s=300)
+    assert all(n > 0 for n in locals_), locals_
