@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Config", "build_config", "config_source", "ENVIRONMENT_VARIABLES"]
+__all__ = ["Config", "build_config", "config_source", "v1_notes", "ENVIRONMENT_VARIABLES"]
 
 # Where smp.init() without a dict finds the job's configuration, first match wins: smp's own
 # launcher-neutral variable (a JSON object, or the path of a file holding one), then the one
@@ -207,6 +207,96 @@ class Config:
 
 _KEYS = tuple(f.name for f in dataclasses.fields(Config))
 
+# Keys SMP v1 accepts that are not smp keys (docs/guide.md §2, "SMP v1 keys"): key -> (type,
+# what smp does instead). smp accepts each, checks its type, and logs the line on rank 0;
+# ``_V1_UNBUILT`` are the values that ask for something smp has not built yet (they fail).
+_V1_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "fp16_params": (bool, 'deprecated in v1; read as "fp16"'),  # mapped, not ignored
+    "ddp_port": (int, "the rendezvous uses the launcher's MASTER_ADDR and MASTER_PORT"),
+    "ddp_dist_backend": (str, 'collectives use "backend": nccl with CUDA, gloo otherwise'),
+    "horovod": (bool, "smp has no Horovod: data parallelism runs on torch.distributed"),
+    "contiguous": (bool, "TensorFlow only; smp places modules, contiguous pieces of the tree"),
+    "deterministic_server": (
+        bool,
+        "smp's task order is deterministic where it must be (tensor-parallel rank 0 orders "
+        "its group's)",
+    ),
+    "overlapping_allreduce": (
+        bool,
+        "smp reduces gradients in buckets after the step's backward",
+    ),
+    "static_mode": (
+        bool,
+        'calls to other stages skip their round trips once a call repeats ("pipeline_async_calls")',
+    ),
+    "fast_mode": (
+        bool,
+        'outputs go straight to the stage that takes them ("pipeline_async_calls")',
+    ),
+    "checkpoint_attentions": (bool, "activation checkpointing is not built yet"),
+    "sharded_data_parallel_degree": (int, "sharded data parallelism is not built yet"),
+    "sdp_reduce_bucket_size": ((int, float), "used by sharded data parallelism only"),
+    "sdp_param_persistence_threshold": ((int, float), "used by sharded data parallelism only"),
+    "sdp_max_live_parameters": ((int, float), "used by sharded data parallelism only"),
+    "sdp_hierarchical_allgather": (bool, "used by sharded data parallelism only"),
+    "sdp_gradient_clipping": ((int, float), "used by sharded data parallelism only"),
+    "task_level_activation_loading_horizon": (int, "v1-internal; no effect in smp"),
+    "_shard_offloaded_activations": (bool, "v1-internal; no effect in smp"),
+    "_fp32_grad_accumulation": (bool, "v1-internal; no effect in smp"),
+    "_match_weights": (bool, "v1-internal; no effect in smp"),
+    "_sharded_data_parallelism_config": ((str, type(None)), "v1-internal; no effect in smp"),
+    "herring": (bool, "v1-internal; no effect in smp"),
+    "load_partition": (bool, "TensorFlow only (v1-internal)"),
+    "partition_file": ((str, type(None)), "TensorFlow only (v1-internal)"),
+}
+# Values that ask for something not built yet: they fail, naming it, instead of being ignored.
+_V1_UNBUILT = {
+    "checkpoint_attentions": lambda v: v is True,
+    "sharded_data_parallel_degree": lambda v: v != 1,
+}
+
+
+def v1_notes(user: Mapping[str, Any] | None) -> list[str]:
+    """One line per SMP v1 key in ``user`` that smp accepts without using it: what smp does
+    instead (logged by ``smp.init`` on rank 0)."""
+    notes = []
+    for key in user or {}:
+        if key == "fp16_params":
+            notes.append('smp config: SMP v1 key "fp16_params" is deprecated; read as "fp16"')
+        elif key in _V1_KEYS:
+            notes.append(
+                f'smp config: SMP v1 key "{key}"={user[key]!r} accepted, not used: '
+                f"{_V1_KEYS[key][1]}"
+            )
+    return notes
+
+
+def _take_v1_keys(user: Mapping[str, Any]) -> dict[str, Any]:
+    """``user`` without the SMP v1 keys, ``fp16_params`` read as ``fp16``; checks their types
+    and fails on the values that ask for what smp has not built."""
+    for key, value in user.items():
+        if key not in _V1_KEYS:
+            continue
+        kind, instead = _V1_KEYS[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            _fail(key, f"a {names} (an SMP v1 key)", value)
+        if key in _V1_UNBUILT and _V1_UNBUILT[key](value):
+            raise NotImplementedError(
+                f'smp config: SMP v1 key "{key}"={value!r}: {instead} in this version of smp; '
+                "drop the key or leave it at its default"
+            )
+    out = {k: v for k, v in user.items() if k not in _V1_KEYS}
+    if "fp16_params" in user:
+        if "fp16" in user and user["fp16"] != user["fp16_params"]:
+            raise ValueError(
+                f'smp config: "fp16" ({user["fp16"]!r}) and its deprecated SMP v1 alias '
+                f'"fp16_params" ({user["fp16_params"]!r}) must agree; give only "fp16"'
+            )
+        out["fp16"] = user["fp16_params"]
+    return out
+
 
 def _unknown_key(key: Any) -> ValueError:
     message = f"smp config: unknown key {key!r}"
@@ -230,9 +320,13 @@ def build_config(user: Mapping[str, Any] | None, world_size: int | None = None) 
     Returns:
         A frozen :class:`Config` with derived defaults resolved.
 
+    SMP v1 keys smp does not use are accepted (their types checked; :func:`v1_notes` says what
+    smp does instead); ``fp16_params`` is read as ``fp16``.
+
     Raises:
         ValueError: For an unknown key, a bad type or value, conflicting keys, or a world size
             the degrees do not fit. The message names the key, the value and what is allowed.
+        NotImplementedError: An SMP v1 key set to use something smp has not built yet.
     """
     if user is None:
         user = {}
@@ -242,8 +336,9 @@ def build_config(user: Mapping[str, Any] | None, world_size: int | None = None) 
         )
     kwargs: dict[str, Any] = {}
     for key in user:
-        if key not in _KEYS and key not in _ALIASES:
+        if key not in _KEYS and key not in _ALIASES and key not in _V1_KEYS:
             raise _unknown_key(key)
+    user = _take_v1_keys(user)
     for alias, name in _ALIASES.items():
         if alias in user and name in user and user[alias] != user[name]:
             raise ValueError(

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from smp import _C
-from smp.config import Config, build_config, config_source
+from smp.config import Config, build_config, config_source, v1_notes
 
 __all__ = ["State", "init", "shutdown", "is_initialized", "get_state"]
 
@@ -252,6 +252,8 @@ def init(config: dict[str, Any] | None = None) -> None:
             backend,
             source,
         )
+        for note in v1_notes(config):
+            logger.warning("%s", note)
         if unused:
             logger.warning(
                 "smp: configuration from %s; %s also set and not used", source, ", ".join(unused)

@@ -475,3 +475,89 @@ def test_a_bad_variable_is_named(env, words):
         config_source(None, env)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+# ---- SMP v1 keys ---------------------------------------------------------------------------------
+
+# Every key SMP v1 accepts that is not an smp key, with its v1 default (docs/guide.md §2).
+V1_ONLY = {
+    "fp16_params": False,
+    "ddp_port": 29760,
+    "ddp_dist_backend": "auto",
+    "horovod": False,
+    "contiguous": True,
+    "deterministic_server": False,
+    "overlapping_allreduce": True,
+    "static_mode": False,
+    "fast_mode": False,
+    "checkpoint_attentions": False,
+    "sharded_data_parallel_degree": 1,
+    "sdp_reduce_bucket_size": 5e8,
+    "sdp_param_persistence_threshold": 1e6,
+    "sdp_max_live_parameters": 1e9,
+    "sdp_hierarchical_allgather": True,
+    "sdp_gradient_clipping": 1.0,
+    "task_level_activation_loading_horizon": 4,
+    "_shard_offloaded_activations": True,
+    "_fp32_grad_accumulation": False,
+    "_match_weights": False,
+    "_sharded_data_parallelism_config": None,
+    "herring": False,
+    "load_partition": False,
+    "partition_file": None,
+}
+
+
+@pytest.mark.parametrize("key,value", sorted(V1_ONLY.items()))
+def test_every_smp_v1_key_is_accepted_and_says_what_smp_does(key, value):
+    from smp.config import v1_notes
+
+    config = build_config({"partitions": 2, "microbatches": 2, key: value})
+    assert config.pipeline_parallel_degree == 2
+    (note,) = v1_notes({key: value})
+    assert f'"{key}"' in note
+
+
+def test_the_keys_of_a_v1_gpt2_script_are_accepted():
+    """The smp_options of SMP v1's train_gpt_simple.py example, as SageMaker passes them."""
+    v1 = {
+        "ddp": True, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 2,
+        "microbatches": 4, "placement_strategy": "cluster", "optimize": "speed",
+        "prescaled_batch": False, "fp16_params": False, "shard_optimizer_state": False,
+        "offload_activations": False, "delayed_parameter_initialization": False,
+        "activation_loading_horizon": 4, "skip_tracing": False, "static_mode": False,
+        "fast_mode": False, "sharded_data_parallel_degree": 1, "sdp_reduce_bucket_size": 5e8,
+        "sdp_param_persistence_threshold": 1e6, "sdp_max_live_parameters": 1e9,
+        "sdp_hierarchical_allgather": True, "sdp_gradient_clipping": 1.0, "auto_partition": True,
+        "default_partition": 0, "bf16": False,
+    }  # fmt: skip
+    config = build_config(v1, world_size=4)
+    assert (config.pipeline_parallel_degree, config.fp16) == (2, False)
+
+
+def test_fp16_params_is_read_as_fp16():
+    assert build_config({"fp16_params": True}).fp16 is True
+    assert build_config({"fp16_params": True, "fp16": True}).fp16 is True
+    with pytest.raises(ValueError, match='"fp16_params" \\(False\\) must agree'):
+        build_config({"fp16": True, "fp16_params": False})
+
+
+@pytest.mark.parametrize(
+    "user,words",
+    [
+        ({"sharded_data_parallel_degree": 2}, "sharded data parallelism is not built yet"),
+        ({"checkpoint_attentions": True}, "activation checkpointing is not built yet"),
+    ],
+)
+def test_v1_keys_that_ask_for_what_is_not_built_fail(user, words):
+    with pytest.raises(NotImplementedError, match=words):
+        build_config(user)
+
+
+@pytest.mark.parametrize(
+    "user", [{"horovod": "yes"}, {"ddp_port": 1.5}, {"sdp_gradient_clipping": True}]
+)
+def test_v1_keys_are_type_checked(user):
+    (key,) = user
+    with pytest.raises(ValueError, match=f'"{key}" must be a'):
+        build_config(user)
