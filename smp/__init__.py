@@ -14,13 +14,16 @@
 See docs/ and api.md for the whole API.
 """
 
-from smp import comm, nn
+import contextlib as _contextlib
+
+from smp import amp, comm, nn, optimizers
+from smp._unbuilt import fail as _fail
 from smp.comm import *  # noqa: F403 - rank helpers, groups and object collectives
 from smp.config import Config
 from smp.model import DistributedModel
 from smp.nn.region import DivergentArgumentsError
 from smp.optimizer import DistributedOptimizer
-from smp.partitioning import PartitionPlan, partition, plan_partition, set_partition
+from smp.partitioning import PartitionPlan, is_tracing, partition, plan_partition, set_partition
 from smp.state import init, is_initialized, shutdown
 from smp.step import StepFailedError, StepOutput, microbatch, step
 from smp.tensor_parallel import (
@@ -34,6 +37,16 @@ from smp.tensor_parallel import (
 from smp.timeline import Timeline, last_step_timeline
 
 __version__ = "0.1.0"
+
+
+@_contextlib.contextmanager
+def delay_param_initialization(enabled: bool = True):
+    """SMP v1's context manager for creating a model without allocating its parameters until
+    they are placed. Not built yet: ``enabled=True`` fails; ``enabled=False`` does nothing."""
+    if enabled:
+        _fail("smp.delay_param_initialization", "delayed parameter initialisation")
+    yield
+
 
 __all__ = [
     "init",
@@ -60,5 +73,9 @@ __all__ = [
     "tp_register_with_module",
     "tp_register_plan",
     "nn",
+    "amp",
+    "optimizers",
+    "is_tracing",
+    "delay_param_initialization",
     *comm.__all__,
 ]

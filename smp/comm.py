@@ -57,6 +57,17 @@ __all__ = [
     "recv_from",
     "allgather",
     "barrier",
+    "get_world_group",
+    "get_pp_group",
+    "get_tp_group",
+    "get_dp_group",
+    "get_rdp_group",
+    "get_mp_group",
+    "pp_barrier",
+    "tp_barrier",
+    "dp_barrier",
+    "rdp_barrier",
+    "mp_barrier",
 ]
 
 
@@ -283,3 +294,56 @@ def barrier(group: CommGroup | str = CommGroup.WORLD) -> None:
     name = _group_name(group)
     with collective(f"barrier over {name}"):
         dist.barrier(group=state.groups[name])
+
+
+# ---- SMP v1's group helpers: the ranks of this rank's groups, and their barriers ---------------
+
+
+def get_world_group() -> list[int]:
+    """The global ranks of every process (SMP v1: a rank list, not a process group)."""
+    return list(get_state().group_ranks["world"])
+
+
+def get_pp_group() -> list[int]:
+    """The global ranks of this rank's pipeline group (its model replica's stages)."""
+    return list(get_state().group_ranks["pp"])
+
+
+def get_tp_group() -> list[int]:
+    """The global ranks of this rank's tensor-parallel group."""
+    return list(get_state().group_ranks["tp"])
+
+
+def get_dp_group() -> list[int]:
+    """The global ranks holding this rank's pipeline stage (its data-parallel group)."""
+    return list(get_state().group_ranks["dp"])
+
+
+def get_rdp_group() -> list[int]:
+    """The global ranks holding this rank's stage and tensor-parallel slice."""
+    return list(get_state().group_ranks["rdp"])
+
+
+def get_mp_group() -> list[int]:
+    """The global ranks of this rank's model replica (its pipeline and tensor-parallel ranks)."""
+    return list(get_state().group_ranks["mp"])
+
+
+def pp_barrier() -> None:
+    barrier(CommGroup.PP_GROUP)
+
+
+def tp_barrier() -> None:
+    barrier(CommGroup.TP_GROUP)
+
+
+def dp_barrier() -> None:
+    barrier(CommGroup.DP_GROUP)
+
+
+def rdp_barrier() -> None:
+    barrier(CommGroup.RDP_GROUP)
+
+
+def mp_barrier() -> None:
+    barrier(CommGroup.MP_GROUP)

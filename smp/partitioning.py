@@ -280,19 +280,37 @@ def trace_modules(
     Raises:
         RuntimeError: the forward failed; the message names the module it failed in.
     """
+    global _tracing
     with _preserved_state(module), torch.no_grad():
-        if trace_execution_times:
-            for _ in range(warmup_runs):
-                _run_named(run_forward, None)
-        tracer = _Tracer(module, trace_execution_times)
+        _tracing += 1
         try:
-            if trace_execution_times:
-                _run_named(run_forward, tracer)
-            else:
-                with _FlopAttribution(tracer):
-                    _run_named(run_forward, tracer)
+            return _traced(module, run_forward, trace_execution_times, warmup_runs)
         finally:
-            tracer.remove()
+            _tracing -= 1
+
+
+_tracing = 0  # tracing passes running (smp.is_tracing)
+
+
+def is_tracing() -> bool:
+    """Whether the model runs for smp's tracing pass (partitioning), not for training: code
+    that must not run then (logging, counters, data-dependent asserts) can check it."""
+    return _tracing > 0
+
+
+def _traced(module, run_forward, trace_execution_times: bool, warmup_runs: int) -> dict:
+    if trace_execution_times:
+        for _ in range(warmup_runs):
+            _run_named(run_forward, None)
+    tracer = _Tracer(module, trace_execution_times)
+    try:
+        if trace_execution_times:
+            _run_named(run_forward, tracer)
+        else:
+            with _FlopAttribution(tracer):
+                _run_named(run_forward, tracer)
+    finally:
+        tracer.remove()
     return {tracer.names[key]: record for key, record in tracer.records.items()}
 
 

@@ -4,6 +4,10 @@ See :mod:`smp.nn.modules` for the layouts and batch semantics, and :mod:`smp.nn.
 the communication primitives they are built from.
 """
 
+import torch
+
+from smp._unbuilt import placeholder
+from smp.nn import huggingface
 from smp.nn.functional import vocab_parallel_cross_entropy
 from smp.nn.modules import (
     DistributedAttentionLayer,
@@ -17,7 +21,23 @@ from smp.nn.modules import (
     DistributedTransformerOutputLayer,
 )
 
+
+class FusedLayerNorm(torch.nn.LayerNorm):
+    """SMP v1's (and apex's) FusedLayerNorm: ``torch.nn.LayerNorm`` with the same arguments
+    (``normalized_shape, eps=1e-5, elementwise_affine=True``); torch's kernel is used."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, **kw):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, **kw)
+
+
+FlashAttentionLayer = placeholder(
+    "smp.nn.FlashAttentionLayer", "a flash-attention layer for SMP v1's distributed transformer"
+)
+
 __all__ = [
+    "huggingface",
+    "FusedLayerNorm",
+    "FlashAttentionLayer",
     "DistributedModule",
     "DistributedLinear",
     "DistributedEmbedding",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 
@@ -170,3 +171,50 @@ def test_init_without_a_dict_reads_the_job_configuration(pools, variable):
     uses it: 2 pipeline stages, not 1 stage x 2 data-parallel ranks."""
     value = '{"partitions": 2, "microbatches": 4, "ddp": true}'
     assert pools.run(2, _environment_worker, variable, value) == [(2, 1, 4)] * 2
+
+
+class _SeesTracing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.seen: list[bool] = []
+
+    def forward(self, x):
+        import smp
+
+        self.seen.append(smp.is_tracing())
+        return self.b(self.a(x))
+
+
+def _v1_groups_worker() -> tuple:
+    import smp
+    from smp.state import get_state
+
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True})
+    ranks = get_state().group_ranks
+    getters = {
+        "world": smp.get_world_group, "pp": smp.get_pp_group, "tp": smp.get_tp_group,
+        "dp": smp.get_dp_group, "rdp": smp.get_rdp_group, "mp": smp.get_mp_group,
+    }  # fmt: skip
+    for name, getter in getters.items():
+        assert getter() == ranks[name], (name, getter(), ranks[name])
+    for barrier in (smp.pp_barrier, smp.tp_barrier, smp.dp_barrier, smp.rdp_barrier):
+        barrier()
+    smp.mp_barrier()
+    module = _SeesTracing()
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def run(model, x):
+        return model(x).sum()
+
+    run(model, torch.ones(2, 4))
+    return module.seen
+
+
+def test_v1_group_getters_barriers_and_is_tracing(pools):
+    """get_*_group return rank lists (SMP v1), the *_barrier helpers return on every rank, and
+    smp.is_tracing() is True only in the partitioner's tracing pass."""
+    seen = pools.run(4, _v1_groups_worker)
+    assert any(True in s for s in seen), seen  # a tracing pass ran somewhere
+    assert all(s[-1] is False for s in seen if s), seen  # the step's own forward is not tracing
