@@ -250,6 +250,11 @@ class _Worker:
         self.replies_due = 0  # calls whose REPLY has not arrived
         self.acks_due = 0  # calls whose GRAD_IN has not arrived
         self.started = False  # handed to a thread (it may not have been granted yet)
+        # Its own random stream (design.md §4j): the default generators hold this state while
+        # it runs, so what it draws does not depend on the order the stages' tasks ran in.
+        self.rng_key = 0
+        self.rng_states: list[torch.Tensor] | None = None
+        self.calls_made = 0  # remote calls it made: the keys of their served workers' streams
 
     def run(self, park: Callable[[], None]) -> None:
         """The worker's life, in a pool thread: waits for its first grant, runs ``target``,
@@ -432,6 +437,56 @@ class _Recorder:
         self.spans.append((kind, microbatch, start, now))
         if self.stack:
             self.stack[-1][2] = now
+
+
+_MASK = (1 << 63) - 1
+
+
+def _mix(key: int, value: int) -> int:
+    """A new stream key from ``key`` and ``value`` (splitmix64's finaliser; non-negative int64)."""
+    z = (key * 0x9E3779B97F4A7C15 + value + 1) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) & _MASK
+
+
+class _Streams:
+    """Per-worker random streams for a step (design.md §4j).
+
+    The workers of a step share the default generators (CPU, and the current CUDA device's),
+    and which worker runs when depends on timing: dropout in a pipelined step drew different
+    numbers from run to run. Each worker has a stream of its own instead, seeded from a key that
+    names it the same way in every run: the leader's microbatch m has ``mix(base, m)``, where
+    ``base`` is one draw from the leader's generator per step (so steps differ and a seeded run
+    repeats; every rank draws it, so ranks seeded alike stay alike); the k-th remote call a
+    worker makes is served with ``mix(its key, k)`` (sent with the REQUEST). While a worker runs
+    (between the baton's grant and its return) the default generators hold its stream's state;
+    around the step they hold their own, moved on by that one draw.
+    """
+
+    def __init__(self):
+        self.generators = [torch.default_generator]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.generators.append(torch.cuda.default_generators[torch.cuda.current_device()])
+        # Drawn on every rank, used on the leader: each rank's generator moves on by one draw
+        # per step, so ranks seeded alike stay alike (a script drawing its data from it).
+        self.base = int(torch.randint(0, _MASK, (), dtype=torch.int64))
+        self.saved = [g.get_state() for g in self.generators]
+
+    def enter(self, worker: _Worker) -> None:
+        if worker.rng_states is None:
+            for g in self.generators:
+                g.manual_seed(worker.rng_key)
+        else:
+            for g, state in zip(self.generators, worker.rng_states):
+                g.set_state(state)
+
+    def leave(self, worker: _Worker) -> None:
+        worker.rng_states = [g.get_state() for g in self.generators]
+
+    def close(self) -> None:
+        for g, state in zip(self.generators, self.saved):
+            g.set_state(state)
 
 
 class _Held:
@@ -667,6 +722,8 @@ class PipelineRuntime:
         header.append(len(refs))
         for slot, ref in refs:
             header += [slot, ref.stage, ref.call_id, ref.slot]
+        worker.calls_made += 1
+        header.append(_mix(worker.rng_key, worker.calls_made))  # the served call's stream
         self._expect_reply(call, call_id, worker.microbatch)
         # The arguments belong to the caller's code, which may modify them in place once this
         # returns: the message carries copies (cheaper than waiting for the peer to take it).
@@ -767,6 +824,7 @@ class PipelineRuntime:
         leader = self.stage == 0
         self.grad_enabled = torch.is_grad_enabled()
         self._back = threading.Semaphore(0)  # the baton, back from a worker (one per step)
+        self._streams = _Streams()
         self.step_context = StepContext()  # what every worker of this step runs under
         self.recorder = _Recorder()
         self._call_ids = itertools.count()  # the same sequence on every TP rank of the stage
@@ -816,6 +874,7 @@ class PipelineRuntime:
                 self._tell_followers([_ORDER_ABORT])  # they wait for this rank's next task
         finally:
             hook.remove()
+            self._streams.close()
             abort_error = self._abort_workers()
             if abort_error is not None:
                 if error is None:
@@ -900,6 +959,7 @@ class PipelineRuntime:
                     lambda a=args, k=kwargs: _resolve_results(self.step_fn(*a, **k)),
                     self.server.new_id(),
                 )
+                worker.rng_key = _mix(self._streams.base, mb)
                 self.step_workers[mb] = worker
                 self._start(worker)
             elif kind == _C.TaskKind.SERVE_REQUEST:
@@ -988,6 +1048,7 @@ class PipelineRuntime:
         self.state.microbatch = worker.microbatch
         self.state.in_step = True
         self.recorder.begin("F", worker.microbatch)
+        self._streams.enter(worker)
         worker.go.release()
         # Twice timeout_s: the worker may itself wait up to timeout_s (a collective, a TP
         # rank's order), and the error of that wait names the failure better than this one.
@@ -1001,6 +1062,7 @@ class PipelineRuntime:
                 f"timeout_s) for {worker.describe()} to finish or to call another stage; it is "
                 "still running (does its forward wait for something that never comes?)"
             )
+        self._streams.leave(worker)
         self.recorder.end()
         self.state.microbatch = None
         if worker.error is not None:
@@ -1153,6 +1215,7 @@ class PipelineRuntime:
         skeleton, payload = tensors[0], list(tensors[1:])
         worker = _Worker(self, mb, lambda: None, worker_id)
         worker.mode = CallMode.decode(mode)
+        worker.rng_key = header[7 + 4 * n_refs]
         worker.grad = worker.mode.grad and self.grad_enabled
         worker.awaiting = int(worker.grad)  # the caller's GRAD_OUT
         worker.served = (peer, call_id)

@@ -157,6 +157,7 @@ def _flaky_models(smp):
 
 def _structure_worker():
     import smp
+    from smp.pipeline import runtime
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
     module, reference, model = _flaky_models(smp)
@@ -165,7 +166,7 @@ def _structure_worker():
 
     @smp.step
     def train_step(model, x, y):
-        draw = torch.rand(())  # the leader's generator: a rerun must draw the same numbers
+        draw = torch.rand(())  # the microbatch's stream: a rerun must draw the same numbers
         loss = F.cross_entropy(model(x), y)
         model.backward(loss)
         return loss, draw
@@ -182,8 +183,12 @@ def _structure_worker():
         optimizer.zero_grad()
         loss, draws = train_step(model, x, y)
         reruns.append(model._runtime.reruns)
+        # Each microbatch draws from its own stream, keyed by one draw of the leader's
+        # generator per step (design.md §4j); a rerun restores the generator first.
         torch.manual_seed(100 + step)
-        expected = [torch.rand(()) for _ in range(2)]
+        base = int(torch.randint(0, runtime._MASK, (), dtype=torch.int64))
+        streams = [torch.Generator().manual_seed(runtime._mix(base, mb)) for mb in range(2)]
+        expected = [torch.rand((), generator=stream) for stream in streams]
         ref_optimizer.zero_grad()
         ref_loss = 0.0
         for xs, ys in zip(x.chunk(2), y.chunk(2)):

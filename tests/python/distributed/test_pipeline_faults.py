@@ -381,3 +381,72 @@ def test_call_structure_caches_are_bounded_and_reported(pools):
     assert "call caches: predictions 4, push_outputs 4, unstable 0 (limit 4 each" in summary, (
         summary
     )
+
+
+class Jitter(nn.Module):
+    """Takes a different time at each call (its own Python random, seeded per run): the order of
+    the stages' tasks changes from run to run, as it does with real timing noise."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.timing = __import__("random").Random(seed)
+
+    def forward(self, x):
+        time.sleep(self.timing.uniform(0, 0.01))
+        return self.fc(x)
+
+
+class Drops(nn.Module):
+    """Dropout on both stages, before and after calls that take varying time."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.drop_a = nn.Dropout(0.5)
+        self.slow = Jitter(seed)
+        self.drop_b = nn.Dropout(0.5)
+        self.drop_c = nn.Dropout(0.5)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.drop_a(self.a(x))
+        h = self.drop_b(self.slow(h))
+        # Back on stage 0, after waiting for stage 1: when this runs depends on timing.
+        return self.head(self.drop_c(torch.relu(h)))
+
+
+def _dropout_worker(runs: int) -> list:
+    import smp
+
+    losses = []
+    for run in range(runs):
+        smp.init({"pipeline_parallel_degree": 2, "microbatches": 8, "active_microbatches": 3})
+        torch.manual_seed(0)
+        module = Drops(seed=run)
+        for path, stage in (("", 0), ("a", 0), ("drop_a", 0), ("slow", 1), ("drop_b", 1)):
+            smp.set_partition(module.get_submodule(path), stage)
+        smp.set_partition(module.head, 0)
+        smp.set_partition(module.drop_c, 0)
+        model = smp.DistributedModel(module)
+
+        @smp.step
+        def train_step(model, x, y):
+            loss = F.cross_entropy(model(x), y)
+            model.backward(loss)
+            return loss
+
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        step_losses = [train_step(model, x, y).reduce_mean().item() for _ in range(2)]
+        grads = [p.grad.clone() for p in model.local_parameters() if p.grad is not None]
+        losses.append((step_losses, torch.cat([g.flatten() for g in grads]).tolist()))
+        smp.shutdown()
+    return losses
+
+
+def test_dropout_in_a_pipelined_step_draws_the_same_numbers_whatever_the_timing(pools):
+    """Three runs of the same seeded job whose stages' tasks interleave differently give bitwise
+    the same losses and gradients: each worker draws from a stream of its own."""
+    for per_run in pools.run(2, _dropout_worker, 3, timeout_s=300):
+        assert per_run[0] == per_run[1] == per_run[2], per_run
