@@ -16,6 +16,7 @@ model and smp adds microbatching and data parallelism. Gradient bookkeeping per 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import warnings
@@ -102,7 +103,7 @@ class DistributedModel(nn.Module):
                     f"smp yet; set it to False"
                 )
 
-        self.distributed_modules: list[str] = []  # paths replaced by tensor-parallel versions
+        self.distributed_modules = _Paths()  # paths replaced by tensor-parallel versions
         if cfg.tensor_parallel_degree > 1:
             from smp.nn.lm_head import distribute_lm_head
             from smp.tensor_parallel import distribute_marked_modules
@@ -117,7 +118,7 @@ class DistributedModel(nn.Module):
                     stacklevel=2,
                 )
             module, self.distributed_modules = distribute_marked_modules(module, state.groups["tp"])
-            self.distributed_modules = heads + self.distributed_modules
+            self.distributed_modules = _Paths(heads + self.distributed_modules, module)
             if state.rank == 0 and self.distributed_modules:
                 logger.info(
                     "smp: %d module(s) split over tensor_parallel_degree %d: %s",
@@ -138,7 +139,10 @@ class DistributedModel(nn.Module):
         self.overlapping_allreduce = overlapping_allreduce
         self._partition_plan = None
         self._runtime = None  # the pipeline runtime, once partitioned with pp > 1
-        self._post_partition_hooks: list[Callable[[DistributedModel, Any], None]] = []
+        # An OrderedDict: torch's RemovableHandle holds it weakly (a plain dict cannot be).
+        self._post_partition_hooks: collections.OrderedDict[int, Callable] = (
+            collections.OrderedDict()
+        )
 
         # Unique trainable parameters in a fixed order (shared parameters once): the order of the
         # gradient all-reduce, identical on every rank.
@@ -325,11 +329,42 @@ class DistributedModel(nn.Module):
         """The placement table: modules, parameter and activation bytes, compute per stage."""
         return self.partition_plan.report()
 
-    def register_post_partition_hook(self, hook: Callable[[DistributedModel, Any], None]) -> None:
-        """Calls ``hook(model, optimizer=None)`` once the model is partitioned (now, if it is)."""
-        self._post_partition_hooks.append(hook)
+    def register_post_partition_hook(
+        self, hook: Callable[[DistributedModel, Any], None]
+    ) -> torch.utils.hooks.RemovableHandle:
+        """Calls ``hook(model, optimizer=None)`` once the model is partitioned (now, if it is).
+        Returns a handle whose ``remove()`` unregisters it (SMP v1)."""
+        handle = torch.utils.hooks.RemovableHandle(self._post_partition_hooks)
+        self._post_partition_hooks[handle.id] = hook
         if self.partitioned:
             hook(self, None)
+        return handle
+
+    # ---- SMP v1's model surface ------------------------------------------------------------------
+
+    def get_module(self) -> nn.Module:
+        """The wrapped module (SMP v1): the user's model, its distributed modules in place."""
+        return self.module
+
+    def local_named_modules(self, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+        """(path, module) for the modules this rank's pipeline stage runs."""
+        for name, m in self.module.named_modules():
+            if self._owns(name):
+                yield (f"{prefix}.{name}" if prefix and name else prefix or name), m
+
+    def is_distributed_parameter(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is split over the tensor-parallel group (each rank a shard)."""
+        return _is_shard(param)
+
+    def is_distributed_buffer(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` is split over the tensor-parallel group (each rank a shard)."""
+        return _is_shard(buffer)
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """SMP v1's (DDP's) gradient communication hook: not built yet."""
+        from smp._unbuilt import fail
+
+        fail("DistributedModel.register_comm_hook", "custom gradient communication hooks")
 
     # ---- step protocol (called by smp.step) ---------------------------------------------------
 
@@ -386,7 +421,7 @@ class DistributedModel(nn.Module):
         self._release_remote_tensors()
         if state.rank == 0:
             logger.info("%s", value.report())
-        for hook in self._post_partition_hooks:
+        for hook in list(self._post_partition_hooks.values()):
             hook(self, None)
 
     def _release_remote_tensors(self) -> None:
@@ -565,3 +600,18 @@ def _check_replicas_match(module: nn.Module) -> None:
                 f"{ranks[0]} has {diff[0]} where rank {other_rank} has {diff[1]}; build the same "
                 "model on every rank"
             )
+
+
+class _Paths(list):
+    """The paths of the modules smp made distributed. Also callable, as SMP v1's
+    ``model.distributed_modules()``: the modules themselves, in the same order."""
+
+    def __init__(self, paths: list[str] = (), root: nn.Module | None = None):
+        super().__init__(paths)
+        self._root = root
+
+    def __call__(self) -> Iterator[nn.Module]:
+        return (self._root.get_submodule(path) for path in self) if self._root else iter(())
+
+    def __reduce__(self):
+        return (list, (list(self),))  # pickled as the paths alone

@@ -81,3 +81,55 @@ def _optimizer_worker(pp: int, tp: int):
 def test_the_optimizer_is_a_torch_optimizer_with_the_full_state(pools, pp, tp):
     locals_ = pools.run(pp * tp, _optimizer_worker, pp, tp, timeout_s=300)
     assert all(n > 0 for n in locals_), locals_
+
+
+def _model_surface_worker():
+    from model import Block
+
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    module = build_model("gpt")
+    smp.tp_register_plan(
+        Block,
+        column=["attn.c_attn", "mlp.c_fc"],
+        row=["attn.c_proj", "mlp.c_proj"],
+        fused={"attn.c_attn": 3},
+        heads=[("attn", "n_head")],
+    )
+    for block in module.h:
+        smp.set_tensor_parallelism(block)
+    model = smp.DistributedModel(module)
+    calls = []
+    removed = model.register_post_partition_hook(lambda m, opt: calls.append("removed"))
+    model.register_post_partition_hook(lambda m, opt: calls.append("kept"))
+    removed.remove()
+    assert model.get_module() is model.module
+    modules = list(model.distributed_modules())
+    assert len(modules) == len(model.distributed_modules) > 0
+    assert all(
+        model.get_module().get_submodule(p) is m for p, m in zip(model.distributed_modules, modules)
+    )
+    split = [n for n, p in model.module.named_parameters() if model.is_distributed_parameter(p)]
+    assert split and not any(model.is_distributed_buffer(b) for b in model.module.buffers())
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = loss_fn("gpt", model(x), y)
+        model.backward(loss)
+        return loss
+
+    train_step(model, *make_batch("gpt", 4, 0))
+    local = dict(model.local_named_modules())
+    assert local and all(model._owns(name) for name in local)
+    assert len(local) < len(dict(model.module.named_modules()))  # the other stage's are not
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        model.register_comm_hook(None, lambda *a: None)
+    return calls
+
+
+def test_the_v1_model_surface(pools):
+    """get_module, distributed_modules() (the modules, callable as in SMP v1),
+    is_distributed_parameter / _buffer, local_named_modules, a removable post-partition hook."""
+    assert pools.run(4, _model_surface_worker, timeout_s=300) == [["kept"]] * 4
