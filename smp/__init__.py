@@ -18,6 +18,7 @@ import contextlib as _contextlib
 
 from smp import amp, comm, nn, optimizers
 from smp._unbuilt import fail as _fail
+from smp._unbuilt import function as _unbuilt_function
 from smp.comm import *  # noqa: F403 - rank helpers, groups and object collectives
 from smp.config import Config
 from smp.model import DistributedModel
@@ -37,6 +38,17 @@ from smp.tensor_parallel import (
 from smp.timeline import Timeline, last_step_timeline
 
 __version__ = "0.1.0"
+
+# Checkpoints and activation checkpointing (SMP v1's API): importable, not built yet.
+save = _unbuilt_function("smp.save", "saving objects per rank (checkpoints)")
+load = _unbuilt_function("smp.load", "loading objects per rank (checkpoints)")
+save_checkpoint = _unbuilt_function("smp.save_checkpoint", "checkpoints")
+resume_from_checkpoint = _unbuilt_function("smp.resume_from_checkpoint", "checkpoints")
+set_activation_checkpointing = _unbuilt_function(
+    "smp.set_activation_checkpointing", "activation checkpointing"
+)
+checkpoint = _unbuilt_function("smp.checkpoint", "activation checkpointing")
+checkpoint_sequential = _unbuilt_function("smp.checkpoint_sequential", "activation checkpointing")
 
 
 @_contextlib.contextmanager
@@ -77,5 +89,12 @@ __all__ = [
     "optimizers",
     "is_tracing",
     "delay_param_initialization",
+    "save",
+    "load",
+    "save_checkpoint",
+    "resume_from_checkpoint",
+    "set_activation_checkpointing",
+    "checkpoint",
+    "checkpoint_sequential",
     *comm.__all__,
 ]

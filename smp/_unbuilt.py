@@ -25,3 +25,14 @@ def placeholder(name: str, what: str, base: type = object) -> type:
 
     short = name.rpartition(".")[2]
     return type(short, (base,), {"__init__": __init__, "__doc__": f"Not built yet: {what}."})
+
+
+def function(name: str, what: str):
+    """A function named ``name`` that fails with :func:`fail` when called."""
+
+    def unbuilt(*args: Any, **kwargs: Any) -> NoReturn:
+        fail(name, what)
+
+    unbuilt.__name__ = unbuilt.__qualname__ = name.rpartition(".")[2]
+    unbuilt.__doc__ = f"Not built yet: {what}."
+    return unbuilt

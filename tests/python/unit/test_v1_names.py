@@ -29,6 +29,8 @@ V1_NAMES = [
     "smp.nn.DistributedTransformerLayer", "smp.nn.DistributedTransformerLMHead",
     "smp.nn.huggingface.gpt2.translate_hf_state_dict_to_smdistributed_gpt2",
     "smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2", "smp.__version__",
+    "smp.save", "smp.load", "smp.save_checkpoint", "smp.resume_from_checkpoint",
+    "smp.set_activation_checkpointing", "smp.checkpoint", "smp.checkpoint_sequential",
 ]  # fmt: skip
 
 
@@ -54,6 +56,10 @@ def test_the_v1_name_exists(path):
         (lambda: smp.nn.FlashAttentionLayer(), "flash-attention"),
         (lambda: smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2({}), "GPT-2 keys"),
         (lambda: smp.delay_param_initialization().__enter__(), "delayed parameter"),
+        (lambda: smp.save({}, "f.pt"), "checkpoints"),
+        (lambda: smp.resume_from_checkpoint("/tmp"), "checkpoints"),
+        (lambda: smp.set_activation_checkpointing(torch.nn.Linear(1, 1)), "activation"),
+        (lambda: smp.checkpoint(torch.nn.Linear(1, 1), torch.ones(1)), "activation"),
     ],
 )
 def test_what_is_not_built_fails_when_used_and_says_what(use, words):
