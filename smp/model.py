@@ -271,20 +271,14 @@ class DistributedModel(nn.Module):
         split = self._split_params()
         if not split:
             return local
-        from smp.nn.functional import unshard_tensor
+        from smp.nn.functional import gather_shards
 
-        state = get_state()
-        group, n = state.groups["tp"], state.axis_size("tp")
+        group = get_state().groups["tp"]
         out = dict(local)
         for key in local:
             param = split.get(key)
-            if param is None:
-                continue
-            shard = local[key].detach().contiguous()
-            parts = [torch.empty_like(shard) for _ in range(n)]
-            dist.all_gather(parts, shard, group=group)
-            dim, fused = param._smp_tp_split
-            out[key] = unshard_tensor(parts, dim, fused)
+            if param is not None:
+                out[key] = gather_shards(local[key], *param._smp_tp_split, group)
         return out
 
     def _shard_tp(self, full: dict[str, Any]) -> dict[str, Any]:

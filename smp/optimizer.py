@@ -184,19 +184,16 @@ def _unshard(entries: dict, params: list, state) -> dict:
     full shape (an all-gather over the TP group per tensor, in index order on every TP rank)."""
     if state.axis_size("tp") == 1:
         return entries
-    from smp.nn.functional import unshard_tensor
+    from smp.nn.functional import gather_shards
 
-    group, n = state.groups["tp"], state.axis_size("tp")
+    group = state.groups["tp"]
     out = {}
     for index in sorted(entries):
         entry, param = dict(entries[index]), params[index]
         split = _split_of(param)
         for key, value in sorted(entry.items()):
             if split is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
-                shard = value.detach().contiguous()
-                parts = [torch.empty_like(shard) for _ in range(n)]
-                dist.all_gather(parts, shard, group=group)
-                entry[key] = unshard_tensor(parts, split[0], split[1])
+                entry[key] = gather_shards(value, *split, group)
         out[index] = entry
     return out
 

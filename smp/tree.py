@@ -39,8 +39,9 @@ import torch.utils._pytree as pytree
 
 __all__ = ["flatten", "unflatten", "leaf_paths", "map_tensors", "tensors", "rebuild_mapping"]
 
-# Values no rule looks into. torch.Size too: pytree would rebuild it as a plain tuple.
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+# Values with nothing inside to walk (also what smp.pipeline.messages treats as stateless).
+# torch.Size too: pytree would rebuild it as a plain tuple.
+PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
 def rebuild_mapping(cls: type, items: dict) -> Mapping:
@@ -122,7 +123,7 @@ def _known(value: Any) -> bool:
 
 
 def _leaves_at(is_leaf: Callable[[Any], bool] | None) -> Callable[[Any], bool]:
-    """pytree's ``is_leaf``: the caller's, and ``torch.Size`` (see _PLAIN)."""
+    """pytree's ``is_leaf``: the caller's, and ``torch.Size`` (see PLAIN)."""
     if is_leaf is None:
         return lambda v: isinstance(v, torch.Size)
     return lambda v: isinstance(v, torch.Size) or is_leaf(v)
@@ -130,7 +131,7 @@ def _leaves_at(is_leaf: Callable[[Any], bool] | None) -> Callable[[Any], bool]:
 
 def _wrap_leaf(value: Any, objects: bool, is_leaf: Callable[[Any], bool] | None) -> Any:
     """A pytree leaf rewritten so that smp's rules apply to it (the leaf itself if none does)."""
-    if isinstance(value, (torch.Tensor, *_PLAIN)) or (is_leaf is not None and is_leaf(value)):
+    if isinstance(value, (torch.Tensor, *PLAIN)) or (is_leaf is not None and is_leaf(value)):
         return value
     if isinstance(value, Mapping):
         keys = tuple(value.keys())
@@ -159,7 +160,7 @@ def _wrap(value: Any, objects: bool, is_leaf: Callable[[Any], bool] | None) -> A
 
 
 def _needs_rule(value: Any, objects: bool, is_leaf: Callable[[Any], bool] | None) -> bool:
-    if isinstance(value, (torch.Tensor, *_PLAIN)) or (is_leaf is not None and is_leaf(value)):
+    if isinstance(value, (torch.Tensor, *PLAIN)) or (is_leaf is not None and is_leaf(value)):
         return False
     return objects or isinstance(value, (Mapping, list, tuple))
 

@@ -35,6 +35,7 @@ __all__ = [
     "all_gather",
     "shard_tensor",
     "unshard_tensor",
+    "gather_shards",
     "shard_state",
     "tp_dropout",
     "tp_rng",
@@ -154,6 +155,15 @@ def unshard_tensor(shards: Sequence[torch.Tensor], dim: int, fused: int) -> torc
         return torch.cat(list(shards), dim)
     per_rank = [s.chunk(fused, dim) for s in shards]
     return torch.cat([torch.cat([p[j] for p in per_rank], dim) for j in range(fused)], dim)
+
+
+def gather_shards(shard: torch.Tensor, dim: int, fused: int, group: dist.ProcessGroup):
+    """The full tensor of which every rank of ``group`` holds ``shard`` (an all-gather, then
+    :func:`unshard_tensor`); a collective: every rank of the group calls it, in one order."""
+    shard = shard.detach().contiguous()
+    parts = [torch.empty_like(shard) for _ in range(group.size())]
+    dist.all_gather(parts, shard, group=group)
+    return unshard_tensor(parts, dim, fused)
 
 
 def shard_state(

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp import tree
+
 __all__ = [
     "TensorSlot",
     "Ref",
@@ -285,7 +287,7 @@ def _describe(value: Any, depth: int) -> str:
     return repr(value)
 
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_PLAIN = tree.PLAIN
 
 
 def fingerprint(value: Any) -> bytes | None:

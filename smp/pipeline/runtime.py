@@ -539,7 +539,6 @@ class PipelineRuntime:
         self.order_transport = self._new_order_transport()
         self._stash: dict[tuple, Any] = {}
         self.timeout_s = float(state.config.timeout_s)
-        self._back = threading.Semaphore(0)  # replaced by each step's own (run_step)
         self._call_ids = itertools.count()
         self.grad_enabled = True
         self.async_calls = bool(getattr(state.config, "pipeline_async_calls", True))
