@@ -98,6 +98,17 @@ class Block(nn.Module):
         return x_BTC
 
 
+# How tensor parallelism splits a Block (``smp.tp_register_plan(Block, **BLOCK_TP_PLAN)``): Q, K,
+# V (fused, as thirds) and MLP-in become column shards, the two output projections row shards,
+# and each rank's attention takes its share of the heads. The block's own forward keeps running.
+BLOCK_TP_PLAN = dict(
+    column=["attn.c_attn", "mlp.c_fc"],
+    row=["attn.c_proj", "mlp.c_proj"],
+    fused={"attn.c_attn": 3},
+    heads=[("attn", "n_head")],
+)
+
+
 class GPT(nn.Module):
     """GPT-2 style language model. ``forward(idx_BT)`` returns ``logits_BTV``.
 

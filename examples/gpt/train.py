@@ -36,7 +36,7 @@ except ImportError:  # running from a source checkout without installing smp
     import smp
 
 sys.path.insert(0, str(HERE))
-from model import GPT, Block, GPTConfig, lm_loss  # noqa: E402
+from model import BLOCK_TP_PLAN, GPT, Block, GPTConfig, lm_loss  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -160,15 +160,9 @@ def main(argv=None) -> int:
     net = GPT(cfg)
     n_params = net.num_parameters()
     # Tensor parallelism: a sharding plan for the block class (its own forward keeps running; Q,
-    # K, V and MLP-in become column shards, the two output projections row shards), and every
-    # block marked. smp.DistributedModel splits them and shards the weights in.
-    smp.tp_register_plan(
-        Block,
-        column=["attn.c_attn", "mlp.c_fc"],
-        row=["attn.c_proj", "mlp.c_proj"],
-        fused={"attn.c_attn": 3},
-        heads=[("attn", "n_head")],
-    )
+    # K, V and MLP-in become column shards, the two output projections row shards; model.py),
+    # and every block marked. smp.DistributedModel splits them and shards the weights in.
+    smp.tp_register_plan(Block, **BLOCK_TP_PLAN)
     for block in net.h:
         smp.set_tensor_parallelism(block)
     model = smp.DistributedModel(net)

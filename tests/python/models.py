@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,17 +106,18 @@ def assert_owned_grads_match(model, reference, pp_rank: int, tol: dict) -> int:
     return checked
 
 
-def tiny_hf_model(kind: str, vocab: int = 64, seq: int = 8):
+def tiny_hf_model(kind: str, vocab: int = 64, seq: int = 8, **overrides: Any):
     """An unmodified Hugging Face model of family ``kind`` ("gpt2", "llama", "opt", "t5",
     "bert", "roberta") from a tiny config: 2 layers, hidden 32, 4 heads, dropout off, every
-    other setting the family's default (GPT-2, Llama, OPT and T5 keep ``use_cache=True``).
-    BERT and RoBERTa are 3-label sequence classifiers; nothing is downloaded."""
+    other setting the family's default (GPT-2, Llama, OPT and T5 keep ``use_cache=True``)
+    unless ``overrides`` (config keywords) set it. BERT and RoBERTa are 3-label sequence
+    classifiers; nothing is downloaded."""
     import transformers as t
 
     if kind == "gpt2":
         config = t.GPT2Config(
             vocab_size=vocab, n_positions=seq, n_embd=32, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **overrides,
         )  # fmt: skip
         return t.GPT2LMHeadModel(config)
     if kind in ("bert", "roberta"):
@@ -122,7 +125,7 @@ def tiny_hf_model(kind: str, vocab: int = 64, seq: int = 8):
         config = cls(
             vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=64, max_position_embeddings=seq + 2, num_labels=3,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **overrides,
         )  # fmt: skip
         model_cls = (
             t.BertForSequenceClassification
@@ -134,18 +137,18 @@ def tiny_hf_model(kind: str, vocab: int = 64, seq: int = 8):
         config = t.OPTConfig(
             vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=seq, word_embed_proj_dim=32,
-            dropout=0.0, attention_dropout=0.0,
+            dropout=0.0, attention_dropout=0.0, **overrides,
         )  # fmt: skip
         return t.OPTForCausalLM(config)
     if kind == "t5":
         config = t.T5Config(
             vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-            num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+            num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, **overrides,
         )  # fmt: skip
         return t.T5ForConditionalGeneration(config)
     config = t.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, **overrides,
     )  # fmt: skip
     return t.LlamaForCausalLM(config)
 
@@ -200,3 +203,13 @@ def exact_steps(smp, make, place, variants, seed, microbatches, before_step, aft
         optimizer.step()
         reference_optimizer.step()
     return out
+
+
+def split_gpt_blocks(smp, gpt: nn.Module) -> None:
+    """Registers the demo GPT's tensor-parallel plan for its ``Block`` (as
+    examples/gpt/train.py does) and marks every block of ``gpt`` for tensor parallelism."""
+    from model import BLOCK_TP_PLAN, Block
+
+    smp.tp_register_plan(Block, **BLOCK_TP_PLAN)
+    for block in gpt.h:
+        smp.set_tensor_parallelism(block)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import build_model, loss_fn, make_batch, parity_adamw
+from models import build_model, loss_fn, make_batch, parity_adamw, split_gpt_blocks
 
 
 def _optimizer_worker(pp: int, tp: int):
@@ -18,17 +18,7 @@ def _optimizer_worker(pp: int, tp: int):
     torch.manual_seed(0)
     module = build_model("gpt")
     if tp > 1:
-        from model import Block
-
-        smp.tp_register_plan(
-            Block,
-            column=["attn.c_attn", "mlp.c_fc"],
-            row=["attn.c_proj", "mlp.c_proj"],
-            fused={"attn.c_attn": 3},
-            heads=[("attn", "n_head")],
-        )
-        for block in module.h:
-            smp.set_tensor_parallelism(block)
+        split_gpt_blocks(smp, module)
     model = smp.DistributedModel(module)
     optimizer = smp.DistributedOptimizer(parity_adamw(model.parameters()))
     assert isinstance(optimizer, torch.optim.AdamW) and isinstance(
@@ -84,22 +74,12 @@ def test_the_optimizer_is_a_torch_optimizer_with_the_full_state(pools, pp, tp):
 
 
 def _model_surface_worker():
-    from model import Block
-
     import smp
 
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2})
     torch.manual_seed(0)
     module = build_model("gpt")
-    smp.tp_register_plan(
-        Block,
-        column=["attn.c_attn", "mlp.c_fc"],
-        row=["attn.c_proj", "mlp.c_proj"],
-        fused={"attn.c_attn": 3},
-        heads=[("attn", "n_head")],
-    )
-    for block in module.h:
-        smp.set_tensor_parallelism(block)
+    split_gpt_blocks(smp, module)
     model = smp.DistributedModel(module)
     calls = []
     removed = model.register_post_partition_hook(lambda m, opt: calls.append("removed"))

@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from models import parity_adamw
+from models import parity_adamw, tiny_hf_model
 
 LOCAL_BATCH = 2
 SEQ = 8
@@ -174,45 +174,10 @@ def test_lm_head_parity(pools, world, tp, optimize, prescaled, microbatches, dty
 
 
 def _hf_model(kind: str):
-    import transformers
-
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=64,
-            n_positions=SEQ,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            use_cache=False,
-        )
-        return transformers.GPT2LMHeadModel(config), "transformer.h"
-    if kind in ("bert", "roberta"):
-        cls = transformers.BertConfig if kind == "bert" else transformers.RobertaConfig
-        config = cls(
-            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=64, max_position_embeddings=SEQ + 2, num_labels=3,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )  # fmt: skip
-        model_cls = (
-            transformers.BertForSequenceClassification
-            if kind == "bert"
-            else transformers.RobertaForSequenceClassification
-        )
-        return model_cls(config), f"{kind}.encoder.layer"
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config), "model.layers"
+    """(the tiny HF model of ``kind``, the path of its blocks); GPT-2 and Llama without a cache."""
+    blocks = {"gpt2": "transformer.h", "llama": "model.layers"}.get(kind, f"{kind}.encoder.layer")
+    overrides = {"use_cache": False} if kind in ("gpt2", "llama") else {}
+    return tiny_hf_model(kind, 64, SEQ, **overrides), blocks
 
 
 def _hf_worker(kind, tp, microbatches, pp=1):
