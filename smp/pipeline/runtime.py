@@ -232,7 +232,8 @@ class _Worker:
         self.sent_ids: dict[int, int] = {}  # served: id of a request tensor -> its slot
         self.out_grads_acc: dict[int, torch.Tensor] = {}  # served: output slot -> gradient
         self.awaiting = 0  # served: gradient deliveries missing (GRAD_OUT, consumers' shares)
-        self.grad = runtime.grad_enabled  # grad mode (served: the caller's, from REQUEST)
+        # grad mode: the step thread's (served: and the caller's, from REQUEST)
+        self.grad = runtime.step_context.mode.grad
         self.mode: CallMode | None = None  # served: the caller's thread state (REQUEST)
         self.backward_started = False
         self.completed = False  # served: GRAD_IN sent
@@ -290,7 +291,7 @@ class _Worker:
 
     def suspend(self) -> None:
         """Gives the baton back to the server and waits to be resumed."""
-        if self.aborted:  # its step is over (it ran past timeout_s): nothing resumes it
+        if self.aborted:  # its step is over (it ran past the baton's bound): nothing resumes it
             raise _Abort()
         self.back.release()
         self.go.acquire()
@@ -540,7 +541,6 @@ class PipelineRuntime:
         self._stash: dict[tuple, Any] = {}
         self.timeout_s = float(state.config.timeout_s)
         self._call_ids = itertools.count()
-        self.grad_enabled = True
         self.async_calls = bool(getattr(state.config, "pipeline_async_calls", True))
         # An output of one stage passed to a call on another goes there directly (not with TP:
         # the TP ranks of a stage order their tasks through TP rank 0's, keyed by call ids).
@@ -680,7 +680,7 @@ class PipelineRuntime:
         """Sends REQUEST to ``owner``. A call of the leader's step function whose output
         structure is known (an earlier call with the same module and argument structure) returns
         futures at once (design.md §4c); any other call suspends the worker until REPLY."""
-        if worker.aborted:  # its step is over (it ran past timeout_s): it must not send
+        if worker.aborted:  # its step is over (it ran past the baton's bound): it must not send
             raise _Abort()
         call_id = next(self._call_ids)
 
@@ -821,7 +821,6 @@ class PipelineRuntime:
         leader; on other ranks the leader's results arrive through the caller (StepOutput)."""
         cfg = self.state.config
         leader = self.stage == 0
-        self.grad_enabled = torch.is_grad_enabled()
         self._back = threading.Semaphore(0)  # the baton, back from a worker (one per step)
         self._streams = _Streams()
         self.step_context = StepContext()  # what every worker of this step runs under
@@ -1124,8 +1123,10 @@ class PipelineRuntime:
         deadline = time.monotonic() + self.timeout_s
         stuck = []
         for worker in getattr(self, "workers", {}).values():
-            if worker.aborted:  # ran past timeout_s in _grant: it is not waiting to be resumed
-                worker.go.release()  # so that it ends at its next suspend, not waits there
+            if worker.aborted:  # ran past the baton's bound in _grant: nobody resumes it
+                # (if it gave the baton back just after the bound, it waits in suspend: this
+                # wakes it, and it ends there)
+                worker.go.release()
                 continue
             worker.aborted = True
             if worker.started and not worker.finished:
@@ -1215,7 +1216,7 @@ class PipelineRuntime:
         worker = _Worker(self, mb, lambda: None, worker_id)
         worker.mode = CallMode.decode(mode)
         worker.rng_key = header[7 + 4 * n_refs]
-        worker.grad = worker.mode.grad and self.grad_enabled
+        worker.grad = worker.mode.grad and self.step_context.mode.grad
         worker.awaiting = int(worker.grad)  # the caller's GRAD_OUT
         worker.served = (peer, call_id)
         worker.push = bool(push)
