@@ -37,6 +37,9 @@ LM = dict(
     hidden_dropout_prob=0.0,
     embedding_dropout_prob=0.0,
     causal_mask_size=SEQ,
+    pre_layernorm=True,  # GPT-2 style: LayerNorm on each sublayer's input, and a final one
+    post_layernorm=False,
+    use_normal_initialization=True,  # N(0, 0.02): a key bias's zero gradient stays below eps
 )
 
 
