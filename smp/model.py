@@ -17,6 +17,7 @@ model and smp adds microbatching and data parallelism. Gradient bookkeeping per 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import warnings
@@ -30,7 +31,9 @@ from torch import nn
 from smp import _C
 from smp.state import get_state
 
-__all__ = ["DistributedModel"]
+__all__ = ["DistributedModel", "PARTIAL_KEY"]
+
+PARTIAL_KEY = "_smp_is_partial"  # SMP v1's marker of a rank's partial state dict
 
 logger = logging.getLogger("smp")
 
@@ -51,7 +54,8 @@ class DistributedModel(nn.Module):
 
     Args:
         module: any nn.Module; do not move it to a device yourself.
-        trace_device: "cpu" or "gpu": where the partitioner traces the model (pp > 1).
+        trace_device: "gpu" (v1's default: this rank's device, the CPU where it has no GPU) or
+            "cpu": where rank 0 traces the model to partition it (pp > 1).
         trace_execution_times: measure module times while tracing (pp > 1).
         trace_memory_usage: measure module memory while tracing (pp > 1).
         average_grads_across_microbatches: divide accumulated gradients by the microbatch count.
@@ -60,6 +64,8 @@ class DistributedModel(nn.Module):
         find_unused_parameters: accepted for compatibility; smp always handles unused parameters.
         bucket_cap_mb: size of the gradient buckets of the data-parallel all-reduce.
         overlapping_allreduce: accepted for compatibility (all buckets are in flight together).
+        gradient_as_bucket_view: accepted for compatibility (DDP's option): smp reduces the
+            gradients in place, so no bucket copy exists to share memory with.
 
     Raises:
         ValueError: a bad option, or replicas whose parameters differ in name, shape or dtype.
@@ -69,7 +75,7 @@ class DistributedModel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        trace_device: str = "cpu",
+        trace_device: str = "gpu",
         trace_execution_times: bool = False,
         trace_memory_usage: bool = False,
         average_grads_across_microbatches: bool = True,
@@ -78,6 +84,7 @@ class DistributedModel(nn.Module):
         find_unused_parameters: bool = False,
         bucket_cap_mb: float = 25,
         overlapping_allreduce: bool = True,
+        gradient_as_bucket_view: bool = False,
     ):
         super().__init__()
         state = get_state()
@@ -127,6 +134,9 @@ class DistributedModel(nn.Module):
                     ", ".join(self.distributed_modules[:8])
                     + (" ..." if len(self.distributed_modules) > 8 else ""),
                 )
+        from smp.tensor_parallel import alias_layer_lists
+
+        alias_layer_lists(module)  # v1's `seq_layers` name for a marked model's layer list
         self.module = module.to(state.device)
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
@@ -137,6 +147,7 @@ class DistributedModel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.overlapping_allreduce = overlapping_allreduce
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self._partition_plan = None
         self._runtime = None  # the pipeline runtime, once partitioned with pp > 1
         # An OrderedDict: torch's RemovableHandle holds it weakly (a plain dict cannot be).
@@ -156,6 +167,7 @@ class DistributedModel(nn.Module):
         self._step_backward_count = 0
         self._grad_union: list[int] | None = None
         self._step_count = 0
+        self._join: _Join | None = None  # inside `with model.join():`
 
         _check_replicas_match(self.module)
         params = _unique_parameters(self.module)
@@ -221,7 +233,12 @@ class DistributedModel(nn.Module):
         return (m for name, m in self.module.named_modules() if self._owns(name))
 
     def local_state_dict(self, *args, **kwargs) -> dict[str, Any]:
-        """This rank's part of the state dict, with the original keys."""
+        """This rank's part of the state dict: the original keys of its stage, its TP shards as
+        they are, and v1's marker ``"_smp_is_partial": True`` (``load_state_dict`` takes it back
+        on the same layout)."""
+        return {**self._local_state(*args, **kwargs), PARTIAL_KEY: True}
+
+    def _local_state(self, *args, **kwargs) -> dict[str, Any]:
         full = self.module.state_dict(*args, **kwargs)
         return {k: v for k, v in full.items() if self._owns(k)}
 
@@ -234,7 +251,7 @@ class DistributedModel(nn.Module):
         if self._runtime is None:
             return self._unshard_tp(self.module.state_dict(*args, **kwargs))
         state = get_state()
-        local = self._unshard_tp(self.local_state_dict())  # full shapes, this stage's keys
+        local = self._unshard_tp(self._local_state())  # full shapes, this stage's keys
         local = {k: v.detach().cpu() for k, v in local.items()}
         parts: list[Any] = [None] * state.axis_size("pp")
         dist.all_gather_object(parts, local, group=state.groups["pp"])
@@ -245,13 +262,18 @@ class DistributedModel(nn.Module):
         return {k: merged[k] for k in order if k in merged}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads a full state dict (original keys); each rank takes the part it holds."""
+        """Loads a full state dict (original keys); each rank takes the part it holds. A partial
+        one (from ``local_state_dict()``, marked ``_smp_is_partial``) is this rank's own part:
+        it loads on the layout that saved it."""
+        if state_dict.get(PARTIAL_KEY, False):
+            return self._load_partial(state_dict, strict, assign)
+        state_dict = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
         if self._runtime is None:
             return self.module.load_state_dict(
                 self._shard_tp(state_dict), strict=strict, assign=assign
             )
         mine = self._shard_tp({k: v for k, v in state_dict.items() if self._owns(k)})
-        expected = set(self.local_state_dict())
+        expected = set(self._local_state())
         if strict:
             missing = sorted(expected - set(mine))
             unknown = sorted(k for k in state_dict if k not in self.module.state_dict())
@@ -260,6 +282,61 @@ class DistributedModel(nn.Module):
                     f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unknown[:5]}"
                 )
         return self.module.load_state_dict(mine, strict=False, assign=assign)
+
+    def _load_partial(self, state_dict, strict: bool, assign: bool):
+        mine = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
+        local = self._local_state()
+        missing = sorted(set(local) - set(mine))
+        unexpected = sorted(set(mine) - set(local))
+        wrong = [
+            f"{k} {tuple(v.shape)} (this rank holds {tuple(local[k].shape)})"
+            for k, v in mine.items()
+            if k in local and isinstance(v, torch.Tensor) and v.shape != local[k].shape
+        ]
+        if wrong or (strict and (missing or unexpected)):
+            raise ValueError(
+                "load_state_dict: a partial state dict (_smp_is_partial) loads on the rank and "
+                "layout that saved it; this one does not match this rank: "
+                f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}, other shapes "
+                f"{wrong[:5]}. Save state_dict() (full) to load on another layout."
+            )
+        return self.module.load_state_dict(mine, strict=False, assign=assign)
+
+    def cpu(self) -> DistributedModel:
+        """Gathers the parameters and buffers of every pipeline stage onto this rank and moves
+        the model to the CPU (SMP v1). A collective over the pipeline group: every rank calls
+        it. Tensor-parallel shards stay shards (the distributed modules compute on them);
+        ``state_dict()`` gives them whole."""
+        if self._runtime is not None:
+            remote = {
+                name: t
+                for name, t in (*self.module.named_parameters(), *self.module.named_buffers())
+                if not self._owns(name)
+            }
+            full = self.state_dict()
+            # Non-persistent buffers are not in the state dict: gathered from their owners.
+            extra = {
+                n: b.detach().cpu()
+                for n, b in self.module.named_buffers()
+                if self._owns(n) and n not in full
+            }
+            state = get_state()
+            parts: list[Any] = [None] * state.axis_size("pp")
+            dist.all_gather_object(parts, extra, group=state.groups["pp"])
+            for part in parts:
+                full.update(part)
+            from smp.nn.functional import shard_state
+
+            mine = shard_state(
+                {k: full[k] for k in remote},
+                self._split_params(),
+                state.axis_size("tp"),
+                state.axis_rank("tp"),
+            )
+            with torch.no_grad():
+                for name, value in mine.items():
+                    remote[name].data = value.to(remote[name].dtype).clone()
+        return super().cpu()
 
     def _split_params(self) -> dict[str, torch.Tensor]:
         # Every name of a shared (tied) parameter: the state dict has a key for each.
@@ -350,11 +427,81 @@ class DistributedModel(nn.Module):
         """Whether ``param`` is split over the tensor-parallel group (each rank a shard)."""
         return _is_shard(param)
 
-    def is_distributed_buffer(self, buffer: torch.Tensor) -> bool:
-        """Whether ``buffer`` is split over the tensor-parallel group (each rank a shard)."""
-        return _is_shard(buffer)
+    def is_distributed_buffer(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf`` is split over the tensor-parallel group (each rank a shard)."""
+        return _is_shard(buf)
 
-    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+    def is_scaled_batch_parameter(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient comes from the tensor-parallel group's whole batch (the
+        "scaled batch"): it is reduced over the reduced-data-parallel group (SMP v1)."""
+        return _reduction(param, get_state())[0] == "rdp"
+
+    def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf`` belongs to a module that computes on the scaled batch (SMP v1)."""
+        return getattr(buf, "_smp_tp_reduce", None) == "rdp"
+
+    def default_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, parameter) for the parameters whose gradients are reduced over the
+        data-parallel group (SMP v1)."""
+        state = get_state()
+        return ((n, p) for n, p in self.named_parameters() if _reduction(p, state)[0] == "dp")
+
+    def scaled_batch_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, parameter) for the parameters whose gradients are reduced over the
+        reduced-data-parallel group (SMP v1)."""
+        state = get_state()
+        return ((n, p) for n, p in self.named_parameters() if _reduction(p, state)[0] == "rdp")
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Training with uneven inputs across data-parallel replicas (SMP v1's, after DDP's).
+
+        Inside the block every step first tells every rank which replicas still have data (one
+        small all-gather). A replica whose loop ends leaves the block and then shadows the steps
+        the others still run: it takes part in their collectives with zero gradients, so the
+        gradients are the sum over the replicas that had data divided by the data-parallel
+        degree, as DDP's join divides by the initial world size. When every replica is done,
+        the parameters and buffers are broadcast from a replica that ran the most steps, so
+        every replica leaves with the same model (optimizer states are not synchronised).
+
+        Every rank of one replica (its pipeline stages and tensor-parallel ranks) must run the
+        same number of steps: a replica whose ranks disagree is an error on every rank.
+        """
+        if self._join is not None:
+            raise RuntimeError("DistributedModel.join() cannot be nested")
+        self._join = _Join()
+        finished = False
+        try:
+            yield
+            finished = True
+        finally:
+            try:
+                if finished:
+                    from smp.step import shadow_steps
+
+                    shadow_steps(self)
+                    self._sync_after_join()
+            finally:
+                self._join = None
+
+    def _sync_after_join(self) -> None:
+        """Parameters and buffers from the lowest rank of this rank's groups that was active in
+        the last step any replica ran."""
+        state = get_state()
+        last = self._join.last_active
+        if last is None:
+            return
+        params = _unique_parameters(self.module)
+        for group, tensors in (
+            ("dp", [p for p in params if not _is_shard(p)] + list(self.module.buffers())),
+            ("rdp", [p for p in params if _is_shard(p)]),
+        ):
+            members = state.group_ranks[group]
+            active = [i for i, r in enumerate(members) if last[r]]
+            if active:
+                self._broadcast([t for t in tensors if t.numel() > 0], group, active[0])
+
+    def register_comm_hook(self, state: Any, callable: Callable) -> None:  # noqa: A002 - v1's name
         """SMP v1's (DDP's) gradient communication hook: not built yet."""
         from smp._unbuilt import fail
 
@@ -524,14 +671,15 @@ class DistributedModel(nn.Module):
     def _broadcast_from_dp_rank0(self, tensors: list[torch.Tensor]) -> None:
         self._broadcast(tensors, "dp")
 
-    def _broadcast(self, tensors: list[torch.Tensor], group: str) -> None:
-        """Broadcasts ``tensors`` from rank 0 of this rank's group ``group``."""
+    def _broadcast(self, tensors: list[torch.Tensor], group: str, root: int = 0) -> None:
+        """Broadcasts ``tensors`` from rank ``root`` (an index in the group) of this rank's group
+        ``group``."""
         state = get_state()
         if state.axis_size(group) == 1 or not tensors:
             return
         with torch.no_grad():
-            # The root is a rank of the group (its rank 0), as in c10d's BroadcastOptions.
-            dist._broadcast_coalesced(state.groups[group], tensors, self.bucket_bytes, 0)
+            # The root is a rank of the group, as in c10d's BroadcastOptions.
+            dist._broadcast_coalesced(state.groups[group], tensors, self.bucket_bytes, root)
 
 
 def _is_shard(p: torch.Tensor) -> bool:
@@ -554,6 +702,13 @@ def _reduction(p: torch.Tensor, state) -> tuple[str, int]:
         return "dp", state.axis_size("dp")
     divisor = state.axis_size("rdp" if state.config.prescaled_batch else "dp")
     return reduce, divisor
+
+
+class _Join:
+    """The state of ``DistributedModel.join()`` on this rank."""
+
+    def __init__(self):
+        self.last_active: list[int] | None = None  # per world rank, in the last step any ran
 
 
 class _TraceComplete(BaseException):  # not Exception: user code must not swallow it

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from smp.model import PARTIAL_KEY
 from smp.state import get_state
 
 __all__ = ["DistributedOptimizer"]
@@ -96,14 +97,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return super().step(closure)
 
     def local_state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state: its stage's parameters, its tensor-parallel shards."""
-        return super().state_dict()
+        """This rank's optimizer state: its stage's parameters, its tensor-parallel shards, and
+        v1's marker ``"_smp_is_partial": True`` (``load_state_dict`` takes it back on the same
+        layout)."""
+        return {**super().state_dict(), PARTIAL_KEY: True}
 
     def state_dict(self) -> dict[str, Any]:
         """The full optimizer state, as one process training the whole model would hold it:
         every stage's entries, tensor-parallel shards joined to full shapes. A collective over
         the pipeline and tensor-parallel groups: every rank must call it."""
-        local = self.local_state_dict()
+        local = super().state_dict()
         state = get_state()
         params = [p for group in self.param_groups for p in group["params"]]
         entries = _unshard(local["state"], params, state)
@@ -116,13 +119,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a full state (from :meth:`state_dict`, or one process's optimizer over the
-        same model): each rank takes its stage's entries and its tensor-parallel shards."""
+        same model): each rank takes its stage's entries and its tensor-parallel shards. A
+        partial state (from :meth:`local_state_dict`) is this rank's own: it loads as it is."""
+        if state_dict.get(PARTIAL_KEY, False):
+            local = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
+            return super().load_state_dict(local)
         state = get_state()
         params = [p for group in self.param_groups for p in group["params"]]
         owned = {i for i, p in enumerate(params) if p.numel() > 0}
         entries = {i: e for i, e in state_dict["state"].items() if int(i) in owned}
         entries = _shard(entries, params, state)
         super().load_state_dict({"state": entries, "param_groups": state_dict["param_groups"]})
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """SMP v1's clipping of the fp32 master gradients (its fp16 optimizer). smp trains with
+        the parameters' own fp32 gradients (fp16 is not built yet): :meth:`clip_grad_norm_`."""
+        return self.clip_grad_norm_(max_norm, norm_type)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scales every gradient so the global ``norm_type`` norm is at most ``max_norm``.

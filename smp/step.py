@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _NormBase
 
 from smp import _C, tree
+from smp.comm import collective
 from smp.pipeline.runtime import CallStructureChanged
 from smp.state import State, get_state
 
@@ -78,6 +79,11 @@ class StepOutput:
 def microbatch() -> int | None:
     """Index of the microbatch the running step function is processing; None outside a step."""
     return get_state().microbatch
+
+
+def num_microbatches() -> int:
+    """The number of microbatches each step splits its batch into (the ``microbatches`` key)."""
+    return get_state().config.microbatches
 
 
 # ---- splitting inputs into microbatches --------------------------------------------------------
@@ -299,6 +305,8 @@ class _StepFunction:
         models = [a for a in (*args, *kwargs.values()) if isinstance(a, DistributedModel)]
         models = list({id(m): m for m in models}.values())
 
+        joining = [m for m in models if m._join is not None]
+        active = _join_round(state, joining, True) if joining else None
         first_args, first_kwargs = calls[0]
         for model in models:
             if not model.partitioned:
@@ -317,7 +325,7 @@ class _StepFunction:
             backward_counts = [m._step_backward_count for m in models]
             try:
                 again = _agree_on_outcome(
-                    state, error, original, backward_counts, models, rewind, attempt
+                    state, error, original, backward_counts, models, rewind, attempt, active
                 )
             except BaseException:
                 for model in models:
@@ -431,11 +439,17 @@ def _agree_on_outcome(
     models: list,
     rewind: _Rewind | None = None,
     attempt: int = 0,
+    active: list[int] | None = None,
+    shadow: bool = False,
 ) -> bool:
     """One small collective over the world: did every rank succeed, with the same backward calls,
     and which parameters got gradients anywhere. A rank's failure is raised on every rank, unless
     every cause was a call whose output structure changed and every rank can restore what the
-    step changed: then True, the step runs again (the same answer on every rank)."""
+    step changed: then True, the step runs again (the same answer on every rank).
+
+    Under ``DistributedModel.join()``, ``active`` flags the ranks that ran the step (the others
+    shadow it, ``shadow`` here): only theirs must agree on the backward calls, and each model
+    learns the agreed count (``_agreed_backward_count``)."""
     world = state.groups["outcome"]
     grad_flags = [flag for m in models for flag in m._grad_presence()]
     header = [1 if error else 0, len(backward_counts), *backward_counts]
@@ -448,7 +462,8 @@ def _agree_on_outcome(
 
     failed_ranks = [r for r in range(state.world_size) if table[r, 0] != 0]
     if failed_ranks:
-        blocker = "the step is not pipelined" if rewind is None else rewind.blocker()
+        blocker = None if shadow else "the step is not pipelined"
+        blocker = blocker if rewind is None else rewind.blocker()
         gathered: list[Any] = [None] * state.world_size
         dist.all_gather_object(gathered, (error, blocker), group=world)
         errors = [e for e, _ in gathered]
@@ -481,7 +496,9 @@ def _agree_on_outcome(
         )
 
     counts = table[:, 2 : 2 + len(backward_counts)]
-    if len(backward_counts) and not bool((counts == counts[0]).all()):
+    if active is not None:
+        counts = counts[[r for r in range(state.world_size) if active[r]]]
+    if len(backward_counts) and len(counts) and not bool((counts == counts[0]).all()):
         raise RuntimeError(
             "smp.step: ranks disagree on model.backward calls in this step (per rank: "
             f"{counts.tolist()}); every rank must run the same step function on its batch"
@@ -490,11 +507,64 @@ def _agree_on_outcome(
     # A parameter is reduced over the ranks holding its stage: the union is over the dp group.
     any_grad = table[state.group_ranks["dp"], offset:].amax(dim=0).tolist()
     start = 0
-    for model in models:
+    for i, model in enumerate(models):
         n = model._num_grad_params()
         model._set_grad_union(any_grad[start : start + n])
+        model._agreed_backward_count = int(counts[0, i]) if len(counts) else 0
         start += n
     return False
+
+
+def _join_round(state: State, models: list, is_active: bool) -> list[int]:
+    """Under ``DistributedModel.join()``: which ranks run this step (1) and which shadow it (0),
+    told to every rank by one all-gather. Every rank of a model replica (an mp group) must say
+    the same, or every rank raises. Records the flags as the last active ones if any is."""
+    mp_id = min(state.group_ranks["mp"])
+    local = torch.tensor([1 if is_active else 0, mp_id], dtype=torch.int64)
+    if state.backend == "nccl":
+        local = local.to(state.device)
+    gathered = [torch.empty_like(local) for _ in range(state.world_size)]
+    with collective("the join round of DistributedModel.join()"):
+        dist.all_gather(gathered, local, group=state.groups["outcome"])
+    table = torch.stack(gathered).cpu()
+    active, owner = table[:, 0].tolist(), table[:, 1].tolist()
+    split = sorted({m for m in owner if len({a for a, o in zip(active, owner) if o == m}) > 1})
+    if split:
+        members = [r for r, o in enumerate(owner) if o == split[0]]
+        raise RuntimeError(
+            "DistributedModel.join(): the ranks of one model replica ran out of inputs at "
+            f"different steps (ranks {members}, still running: "
+            f"{[r for r in members if active[r]]}); every pipeline stage and tensor-parallel "
+            "rank of a replica must run the same number of steps"
+        )
+    if any(active):
+        for model in models:
+            model._join.last_active = active
+    return active
+
+
+def shadow_steps(model) -> None:
+    """The rest of ``DistributedModel.join()`` on a replica whose inputs ended: each step the
+    others still run is shadowed (its collectives with zero gradients) until none runs."""
+    state = get_state()
+    while True:
+        active = _join_round(state, [model], False)
+        if not any(active):
+            return
+        for attempt in range(_MAX_RUNS):
+            model._begin_step()
+            try:
+                again = _agree_on_outcome(
+                    state, None, None, [0], [model], None, attempt, active, shadow=True
+                )
+            except BaseException:
+                model._abort_step()
+                raise
+            if not again:
+                break
+            model._abort_step()
+        model._step_backward_count = model._agreed_backward_count
+        model._finish_step()
 
 
 def _from_pipeline_leader(state: State, results: list[Any], detach: bool) -> list[Any]:

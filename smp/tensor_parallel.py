@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -84,14 +86,14 @@ class _CannotDistribute(Exception):
 
 
 def tp_register_with_module(
-    cls: type,
-    dist_cls: type,
+    module_cls: type,
+    dist_module: type,
     init_hook: Callable | None = None,
     forward_hook: Callable | None = None,
     return_hook: Callable | None = None,
 ) -> None:
-    """Registers ``dist_cls`` (a :class:`smp.nn.DistributedModule`) as the distributed version of
-    ``cls``.
+    """Registers ``dist_module`` (a :class:`smp.nn.DistributedModule`) as the distributed version
+    of ``module_cls`` (SMP v1's argument names).
 
     Args:
         init_hook: ``(*args, **kwargs) -> (args, kwargs)``: the constructor arguments of ``cls``
@@ -100,6 +102,7 @@ def tp_register_with_module(
             to those of ``dist_cls`` (default: the same).
         return_hook: ``output -> output``: ``dist_cls``'s output to ``cls``'s (default: same).
     """
+    cls, dist_cls = module_cls, dist_module
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ValueError(f"tp_register: {cls!r} is not an nn.Module class")
     if not (isinstance(dist_cls, type) and issubclass(dist_cls, nn.Module)):
@@ -117,7 +120,7 @@ def tp_register_with_module(
 
 
 def tp_register(
-    dist_cls: type,
+    dist_module: type,
     init_hook: Callable | None = None,
     forward_hook: Callable | None = None,
     return_hook: Callable | None = None,
@@ -129,7 +132,7 @@ def tp_register(
     """
 
     def decorate(cls: type) -> type:
-        tp_register_with_module(cls, dist_cls, init_hook, forward_hook, return_hook)
+        tp_register_with_module(cls, dist_module, init_hook, forward_hook, return_hook)
         return cls
 
     return decorate
@@ -171,6 +174,46 @@ def _recording_init(original: Callable) -> Callable:
     return init
 
 
+# SMP v1's fused-kernel and model options of tensor_parallelism / model_creation that no smp
+# module takes: what smp does instead (logged once per key, on rank 0, when a script passes it).
+_V1_KERNEL_OPTIONS = {
+    "fused_softmax": "attention uses torch's scaled_dot_product_attention, which fuses the mask "
+    "and softmax where the backend has a kernel",
+    "fused_bias_gelu": "bias and GELU run as torch ops (same result, no fused kernel)",
+    "fused_dropout": "dropout runs as torch ops (same result, no fused kernel)",
+    "flash_attention": "torch's scaled_dot_product_attention picks flash attention on GPUs by "
+    "itself",
+    "attention_in_fp32": "attention computes in the model's dtype (fp32: fp16/bf16 are not built "
+    "yet)",
+    "query_key_layer_scaling": "the attention scores are scaled once by 1/sqrt(head size) (the "
+    "same values in exact arithmetic)",
+    "distribute_embedding": "embeddings of marked models are split along the vocabulary by "
+    "smp's own rules",
+    "zero_init": "parameters are initialised as the model's constructor does",
+}
+_noted: set[str] = set()
+
+
+def _v1_kernel_options(tp_config: dict) -> dict:
+    """``tp_config`` without SMP v1's kernel options, each noted once on rank 0; ``use_alibi``
+    (a different model, not built) raises when true."""
+    if tp_config.get("use_alibi"):
+        from smp._unbuilt import fail
+
+        fail("smp.tensor_parallelism(use_alibi=True)", "ALiBi attention biases")
+    out = {}
+    for key, value in tp_config.items():
+        if key == "use_alibi":
+            continue
+        if key not in _V1_KERNEL_OPTIONS:
+            out[key] = value
+        elif key not in _noted:
+            _noted.add(key)
+            if os.environ.get("RANK", "0") == "0":
+                logger.warning("smp: %s=%r: %s", key, value, _V1_KERNEL_OPTIONS[key])
+    return out
+
+
 @contextlib.contextmanager
 def tensor_parallelism(enabled: bool = True, **tp_config: Any) -> Iterator[None]:
     """Modules created inside are marked for tensor parallelism (``enabled=False`` unmarks, e.g.
@@ -185,7 +228,7 @@ def tensor_parallelism(enabled: bool = True, **tp_config: Any) -> Iterator[None]
     stack = getattr(_marking, "stack", None)
     if stack is None:
         stack = _marking.stack = []
-    stack.append(dict(tp_config) if enabled else False)
+    stack.append(_v1_kernel_options(tp_config) if enabled else False)
     patched: list[type] = []
     if len(stack) == 1:
         for cls in [
@@ -209,7 +252,7 @@ def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **tp_config:
         raise ValueError(
             f"smp.set_tensor_parallelism takes an nn.Module, got {type(module).__name__}"
         )
-    mark = dict(tp_config) if enabled else False
+    mark = _v1_kernel_options(tp_config) if enabled else False
     for sub in module.modules():
         object.__setattr__(sub, _MARK, mark)
 
@@ -280,6 +323,32 @@ def distribute_marked_modules(root: nn.Module, group: Any) -> tuple[nn.Module, l
     return root, replaced
 
 
+_LAYER_LISTS = ("h", "layers", "layer")  # GPT-2 / GPT-J / Bloom, Llama / NeoX, BERT / RoBERTa
+
+
+def alias_layer_lists(root: nn.Module) -> list[str]:
+    """Gives each marked transformer body's layer list SMP v1's name as well: ``seq_layers``.
+
+    v1 replaced a marked Hugging Face transformer by its own ``DistributedTransformer``, whose
+    layers v1 scripts reach as ``model.transformer.seq_layers`` (to checkpoint or place them).
+    smp keeps the model's own modules and splits them in place, so ``seq_layers`` is the same
+    ``nn.ModuleList`` under a second name: an attribute only, not a submodule, so parameter
+    names and state-dict keys stay the model's. Returns the paths given the alias."""
+    named = []
+    for path, module in root.named_modules():
+        if not isinstance(getattr(module, _MARK, None), dict) or "seq_layers" in module.__dict__:
+            continue
+        if "seq_layers" in module._modules:
+            continue
+        for name in _LAYER_LISTS:
+            layers = module._modules.get(name)
+            if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+                module.__dict__["seq_layers"] = layers
+                named.append(f"{path}.{name}" if path else name)
+                break
+    return named
+
+
 def _is_distributed(module: nn.Module) -> bool:
     return isinstance(module, (DistributedModule, _ShardedBlock))
 
@@ -307,7 +376,10 @@ def _check_not_shared(module: nn.Module, path: str, owners: dict[int, set[str]])
         if outside:
             raise _CannotDistribute(
                 f"its parameter {name} is shared with {outside[0]} (tied weights), which would be "
-                "split differently; mark both or neither, or untie them"
+                "split differently. smp splits a tied pair together only for a causal language "
+                "model's output head and its input embedding (along the vocabulary, when the "
+                "vocabulary divides by the degree); otherwise both stay whole (the same results, "
+                "each rank holding the whole tensor). Untie them to split them apart"
             )
 
 
@@ -324,13 +396,37 @@ def _convert(module: nn.Module, reg: _Registration, tp_kwargs: dict, group: Any)
         args, kwargs = recorded
         if reg.init_hook is not None:
             args, kwargs = reg.init_hook(*args, **kwargs)
-        kwargs = {**tp_kwargs, **kwargs}
+        # SMP v1's rule: a tp_config keyword that the distributed class takes overrides the
+        # init hook's value; one it does not take is not passed.
+        args, kwargs = _override(reg.dist_cls, args, kwargs, tp_kwargs)
         new = _divisible_or_skip(reg.dist_cls, *args, **kwargs)
         _load_full_state(new, module.state_dict(), type(module).__name__)
         if reg.forward_hook is not None or reg.return_hook is not None:
             new.__class__ = _hooked_class(type(new), reg.forward_hook, reg.return_hook)
     new.train(module.training)
     return new
+
+
+def _override(cls: type, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+    """``cls``'s constructor arguments with each entry of ``options`` that it takes by name
+    replacing the value given (positionally or not); entries it does not take are dropped."""
+    signature = inspect.signature(cls)
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        raise _CannotDistribute(
+            f"the init hook's arguments do not fit {cls.__name__}: {exc}"
+        ) from exc
+    for key, value in options.items():
+        if key in params and params[key].kind is not inspect.Parameter.VAR_KEYWORD:
+            bound.arguments[key] = value
+        elif takes_any:
+            bound.arguments.setdefault(
+                next(k for k, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), {}
+            )[key] = value
+    return bound.args, bound.kwargs
 
 
 def _load_full_state(new: nn.Module, full: dict[str, torch.Tensor], what: str) -> None:

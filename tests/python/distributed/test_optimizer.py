@@ -8,6 +8,8 @@ import pytest
 import torch
 from models import build_model, loss_fn, make_batch, parity_adamw, split_gpt_blocks
 
+from smp.model import PARTIAL_KEY
+
 
 def _optimizer_worker(pp: int, tp: int):
     import smp
@@ -106,10 +108,47 @@ def _model_surface_worker():
     assert len(local) < len(dict(model.module.named_modules()))  # the other stage's are not
     with pytest.raises(NotImplementedError, match="not built yet"):
         model.register_comm_hook(None, lambda *a: None)
+
+    # The scaled-batch classes: shards and replicated tensors inside the region reduce over rdp.
+    names = dict(model.named_parameters())
+    scaled = dict(model.scaled_batch_reducer_named_parameters())
+    default = dict(model.default_reducer_named_parameters())
+    assert scaled and default and set(scaled) | set(default) == set(names)
+    assert not set(scaled) & set(default)
+    assert all(model.is_scaled_batch_parameter(p) for p in scaled.values())
+    assert not any(model.is_scaled_batch_parameter(p) for p in default.values())
+    assert all(model.is_scaled_batch_parameter(names[f"module.{n}"]) for n in split)
+
+    # A partial state dict (v1's marker) loads back on its own rank; another rank's does not.
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    partial = {k: v.clone() for k, v in model.local_state_dict().items() if k != PARTIAL_KEY}
+    assert model.local_state_dict()[PARTIAL_KEY] is True
+    assert optimizer.local_state_dict()[PARTIAL_KEY] is True
+    with torch.no_grad():
+        for p in model.local_parameters():
+            p.add_(1.0)
+    model.load_state_dict({**partial, PARTIAL_KEY: True})
+    for key, value in model.local_state_dict().items():
+        if key != PARTIAL_KEY:
+            assert torch.equal(value, partial[key]), key
+    parts = smp.allgather(partial, smp.PP_GROUP)
+    with pytest.raises(ValueError, match="partial state dict"):
+        model.load_state_dict({**parts[1 - smp.pp_rank()], PARTIAL_KEY: True})
+    optimizer.load_state_dict(optimizer.local_state_dict())
+
+    # cpu(): every stage's tensors on every rank (TP shards stay shards).
+    full = model.state_dict()
+    assert any(p.numel() == 0 for p in model.module.parameters())
+    assert model.cpu() is model
+    for name, p in model.module.named_parameters():
+        assert p.numel() > 0, name
+        if not model.is_distributed_parameter(p):
+            assert torch.equal(p, full[name]), name
     return calls
 
 
 def test_the_v1_model_surface(pools):
     """get_module, distributed_modules() (the modules, callable as in SMP v1),
-    is_distributed_parameter / _buffer, local_named_modules, a removable post-partition hook."""
+    is_distributed_parameter / _buffer, local_named_modules, a removable post-partition hook,
+    the scaled-batch reducers, partial state dicts with v1's marker, cpu() gathering."""
     assert pools.run(4, _model_surface_worker, timeout_s=300) == [["kept"]] * 4

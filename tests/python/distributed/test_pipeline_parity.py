@@ -69,6 +69,7 @@ def _pipeline_worker(name: str, pp: int, microbatches: int, pipeline: str, batch
         losses.append(global_loss)
     # Each rank holds only its stage; state_dict() gathers the full model with original keys.
     local = model.local_state_dict()
+    assert local.pop("_smp_is_partial") is True  # SMP v1's marker of a rank's part
     assert all(plan.assignment[k.rpartition(".")[0]] == smp.pp_rank() for k in local)
     released = [n for n, p in model.module.named_parameters() if p.numel() == 0]
     kept = list(model.local_named_parameters())
