@@ -26,7 +26,7 @@ from smp.nn.region import DivergentArgumentsError
 from smp.optimizer import DistributedOptimizer
 from smp.partitioning import PartitionPlan, is_tracing, partition, plan_partition, set_partition
 from smp.state import init, is_initialized, shutdown
-from smp.step import StepFailedError, StepOutput, microbatch, step
+from smp.step import StepFailedError, StepOutput, microbatch, num_microbatches, step
 from smp.tensor_parallel import (
     model_creation,
     set_tensor_parallelism,
@@ -76,6 +76,7 @@ __all__ = [
     "StepFailedError",
     "DivergentArgumentsError",
     "microbatch",
+    "num_microbatches",
     "last_step_timeline",
     "Timeline",
     "tensor_parallelism",
@@ -98,3 +99,6 @@ __all__ = [
     "checkpoint_sequential",
     *comm.__all__,
 ]
+
+# SMP v1's `patches.checkpoint` path to the functions above (imports them, so it comes last).
+from smp import patches  # noqa: E402, F401

@@ -254,20 +254,21 @@ def broadcast(obj: Any, group: CommGroup | str = CommGroup.WORLD) -> None:
             _send_object(obj, member)
 
 
-def send(obj: Any, dest: int, rank_type: RankType | str = RankType.WORLD_RANK) -> None:
-    """Sends ``obj`` to the rank whose index in this rank's ``rank_type`` group is ``dest``.
+def send(obj: Any, dest_rank: int, rank_type: RankType | str = RankType.WORLD_RANK) -> None:
+    """Sends ``obj`` to the rank whose index in this rank's ``rank_type`` group is
+    ``dest_rank`` (SMP v1's argument names).
 
     The receiver calls ``smp.recv_from(<my index>, rank_type)``.
     """
     state = get_state()
-    _send_object(obj, state.world_rank_of(_rank_type_name(rank_type), dest))
+    _send_object(obj, state.world_rank_of(_rank_type_name(rank_type), dest_rank))
 
 
-def recv_from(src: int, rank_type: RankType | str = RankType.WORLD_RANK) -> Any:
-    """Receives an object sent by ``smp.send`` or ``smp.broadcast`` from ``src`` (a ``rank_type``
-    index in this rank's group)."""
+def recv_from(src_rank: int, rank_type: RankType | str = RankType.WORLD_RANK) -> Any:
+    """Receives an object sent by ``smp.send`` or ``smp.broadcast`` from ``src_rank`` (a
+    ``rank_type`` index in this rank's group)."""
     state = get_state()
-    world_src = state.world_rank_of(_rank_type_name(rank_type), src)
+    world_src = state.world_rank_of(_rank_type_name(rank_type), src_rank)
     if world_src == state.rank:
         raise ValueError(f"smp: rank {state.rank} cannot receive an object from itself")
     box: list[Any] = [None]

@@ -332,3 +332,11 @@ def shutdown() -> None:
     # cycles now, while every rank is tearing down together.
     del state
     gc.collect()
+
+
+def __getattr__(name: str) -> Any:
+    """``smp.state.cfg``: the running configuration, as SMP v1 scripts read it (e.g.
+    ``smp.state.cfg.fp16``)."""
+    if name == "cfg":
+        return get_state().config
+    raise AttributeError(f"module 'smp.state' has no attribute {name!r}")

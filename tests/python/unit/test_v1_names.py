@@ -31,6 +31,7 @@ V1_NAMES = [
     "smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2", "smp.__version__",
     "smp.save", "smp.load", "smp.save_checkpoint", "smp.resume_from_checkpoint",
     "smp.set_activation_checkpointing", "smp.checkpoint", "smp.checkpoint_sequential",
+    "smp.num_microbatches",
 ]  # fmt: skip
 
 
@@ -75,3 +76,10 @@ def test_fused_layer_norm_is_layer_norm():
     torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
     with smp.delay_param_initialization(enabled=False):
         assert not smp.is_tracing()
+
+
+def test_the_v1_parent_package_reaches_smp_and_its_version():
+    from smp.compat import smdistributed
+
+    assert smdistributed.modelparallel.torch is smp
+    assert smdistributed.modelparallel.__version__ == smp.__version__
