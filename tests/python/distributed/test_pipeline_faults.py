@@ -447,6 +447,13 @@ def _dropout_worker(runs: int) -> list:
 
 def test_dropout_in_a_pipelined_step_draws_the_same_numbers_whatever_the_timing(pools):
     """Three runs of the same seeded job whose stages' tasks interleave differently give bitwise
-    the same losses and gradients: each worker draws from a stream of its own."""
+    the same losses: each worker draws from a stream of its own. The gradients are the same
+    masks' gradients, summed over the microbatches in the order their backward tasks finish,
+    which timing decides: equal up to the order of a float sum (a wrong mask would differ by
+    far more)."""
     for per_run in pools.run(2, _dropout_worker, 3, timeout_s=300):
-        assert per_run[0] == per_run[1] == per_run[2], per_run
+        assert per_run[0][0] == per_run[1][0] == per_run[2][0], [run[0] for run in per_run]
+        for run in per_run[1:]:
+            torch.testing.assert_close(
+                torch.tensor(run[1]), torch.tensor(per_run[0][1]), rtol=1e-6, atol=1e-7
+            )
