@@ -16,6 +16,7 @@ model and smp adds microbatching and data parallelism. Gradient bookkeeping per 
 
 from __future__ import annotations
 
+import builtins
 import collections
 import contextlib
 import hashlib
@@ -168,6 +169,7 @@ class DistributedModel(nn.Module):
         self._grad_union: list[int] | None = None
         self._step_count = 0
         self._join: _Join | None = None  # inside `with model.join():`
+        self._comm_hook: tuple[Any, Callable] | None = None  # (state, hook)
 
         _check_replicas_match(self.module)
         params = _unique_parameters(self.module)
@@ -502,10 +504,28 @@ class DistributedModel(nn.Module):
                 self._broadcast([t for t in tensors if t.numel() > 0], group, active[0])
 
     def register_comm_hook(self, state: Any, callable: Callable) -> None:  # noqa: A002 - v1's name
-        """SMP v1's (DDP's) gradient communication hook: not built yet."""
-        from smp._unbuilt import fail
+        """Reduces the gradients with ``callable(state, bucket)`` instead of smp's all-reduce
+        (SMP v1's, after DDP's: torch's ``ddp_comm_hooks`` work as they are).
 
-        fail("DistributedModel.register_comm_hook", "custom gradient communication hooks")
+        ``bucket`` has DDP's ``GradBucket`` methods (``buffer()``, ``gradients()``,
+        ``parameters()``, ``index()``, ``is_last()``, ``set_buffer()``); its buffer holds this
+        rank's gradients summed over the step's microbatches, and the hook returns a
+        ``torch.futures.Future`` of the reduced buffer. As in v1, the hook averages: over the
+        data-parallel replicas (``state`` is usually ``smp.get_dp_process_group()``) and over
+        the microbatches, unless the loss is a sum. Called once per bucket (``bucket_cap_mb``)
+        at the end of each ``backward_passes_per_step`` window, on every rank, in the same
+        order. Not available with tensor parallelism, whose parameters reduce over two groups.
+        """
+        if not builtins.callable(callable):
+            raise ValueError(f"register_comm_hook: the hook must be callable, got {callable!r}")
+        if get_state().axis_size("tp") > 1:
+            raise NotImplementedError(
+                "register_comm_hook is not available with tensor_parallel_degree > 1: a "
+                "tensor-parallel model reduces its gradients over two groups (dp and rdp)"
+            )
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook: a hook is registered already (one per model)")
+        self._comm_hook = (state, callable)
 
     # ---- step protocol (called by smp.step) ---------------------------------------------------
 
@@ -656,15 +676,53 @@ class DistributedModel(nn.Module):
             elif not p.grad.is_contiguous():  # e.g. the gradient of a transposed parameter
                 p.grad = p.grad.contiguous()
             batches.setdefault(_reduction(p, state), []).append(p.grad)
-        for (group, divisor), grads in batches.items():
-            _C.allreduce_mean_(
-                grads, state.groups[group], float(divisor * num_mb), self.bucket_bytes
-            )
+        if self._comm_hook is not None:
+            self._reduce_with_hook([g for grads in batches.values() for g in grads])
+        else:
+            for (group, divisor), grads in batches.items():
+                _C.allreduce_mean_(
+                    grads, state.groups[group], float(divisor * num_mb), self.bucket_bytes
+                )
 
         for p, old in zip(self._grad_params, self._stash or []):
             if old is not None:
                 p.grad = old if p.grad is None else p.grad.add_(old)
         self._stash = None
+
+    def _reduce_with_hook(self, grads: list[torch.Tensor]) -> None:
+        """The user's communication hook over buckets of ``grads`` (in order, ``bucket_bytes``
+        each at most, one dtype per bucket); each result is copied back into the gradients."""
+        state, hook = self._comm_hook
+        params = {id(p.grad): p for p in self._grad_params if p.grad is not None}
+        buckets: list[list[torch.Tensor]] = []
+        size = 0
+        for g in grads:
+            nbytes = g.numel() * g.element_size()
+            if not buckets or size + nbytes > self.bucket_bytes or buckets[-1][0].dtype != g.dtype:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(g)
+            size += nbytes
+        for index, members in enumerate(buckets):
+            bucket = _GradBucket(index, index == len(buckets) - 1, members, params)
+            result = hook(state, bucket)
+            if not isinstance(result, torch._C.Future):  # torch.futures.Future and .then()s
+                raise TypeError(
+                    "register_comm_hook: the hook must return a torch.futures.Future of the "
+                    f"reduced buffer, got {type(result).__name__}"
+                )
+            reduced = result.wait()
+            reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
+            if reduced.numel() != bucket.buffer().numel():
+                raise ValueError(
+                    f"register_comm_hook: the hook returned {reduced.numel()} values for a "
+                    f"bucket of {bucket.buffer().numel()}"
+                )
+            offset = 0
+            with torch.no_grad():
+                for g in members:
+                    g.copy_(reduced.view(-1)[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -702,6 +760,36 @@ def _reduction(p: torch.Tensor, state) -> tuple[str, int]:
         return "dp", state.axis_size("dp")
     divisor = state.axis_size("rdp" if state.config.prescaled_batch else "dp")
     return reduce, divisor
+
+
+class _GradBucket:
+    """The bucket a communication hook gets: DDP's ``GradBucket`` methods over a flat copy of
+    some gradients."""
+
+    def __init__(self, index: int, last: bool, grads: list[torch.Tensor], params: dict):
+        self._index, self._last = index, last
+        self._buffer = torch.cat([g.reshape(-1) for g in grads])
+        self._params = [params[id(g)] for g in grads]
+        self._shapes = [g.shape for g in grads]
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        sizes = [s.numel() for s in self._shapes]
+        return [t.view(s) for t, s in zip(self._buffer.split(sizes), self._shapes)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
 
 
 class _Join:
