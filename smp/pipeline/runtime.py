@@ -943,8 +943,10 @@ class PipelineRuntime:
                     for peer in range(self.num_stages):
                         if peer != self.stage:
                             self.sender.send(peer, [STEP_END, self.backward_calls], [])
+                    self._await_stage_ends()
                 else:
                     self.backward_calls = self.server.announced_backward_calls
+                    self.sender.send(0, [STEP_END], [])  # this stage's tail is done
                 return
             task, message, target = item
             kind = task.kind
@@ -974,6 +976,28 @@ class PipelineRuntime:
                 self._gradients_arrived(self.workers[target], *message)
             else:
                 self._grad_in_arrived(self.grad_tasks.pop(task.id), *message)
+
+    def _await_stage_ends(self) -> None:
+        """On the leader, after its STEP_END: waits until every other stage has run the rest of
+        its step (weight gradients it deferred, §4g) and said so with a STEP_END of its own. A
+        stage that fails there sends ERROR instead, raised here as that stage's error; without
+        this wait the leader would have finished and found the ERROR unread (a transport error
+        naming no cause)."""
+        waiting = {peer for peer in range(self.num_stages) if peer != self.stage}
+        while waiting:
+            got = self.transport.recv(self.timeout_s)
+            if got is None:  # every peer finished: none can still report
+                return
+            peer, header, tensors = got
+            if header[0] == ERROR:
+                text = bytes(tensors[0].numpy()).decode() if tensors else "another stage failed"
+                raise _C.RemoteStageError(text)
+            if header[0] != STEP_END:
+                raise RuntimeError(
+                    f"smp pipeline: stage {peer} sent message kind {header[0]} after the step "
+                    "ended on the leader (an internal error)"
+                )
+            waiting.discard(peer)
 
     # ---- task order across the TP ranks of a stage ----------------------------------------------
 

@@ -507,9 +507,14 @@ def test_large_modules_slice_the_backward_and_stay_exact(pools):
 
 class _WeightGate(torch.autograd.Function):
     """Identity on a weight; its backward runs in the weight half of the owner's split (it is
-    on the path to the weight only) and fails while ``fail`` is set."""
+    on the path to the weight only) and fails while ``fail`` is set, at its ``fail_at``-th call
+    of the step: the last microbatch's, whose weight half runs, when deferred, after the stage
+    has sent its last input gradient and the leader has finished its part of the step (the
+    failure must still reach the leader as this stage's error)."""
 
     fail = False
+    fail_at = 1
+    calls = 0
 
     @staticmethod
     def forward(ctx, weight):
@@ -517,7 +522,8 @@ class _WeightGate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if _WeightGate.fail:
+        _WeightGate.calls += 1
+        if _WeightGate.fail and _WeightGate.calls >= _WeightGate.fail_at:
             raise RuntimeError("weight gradient failed on purpose")
         return grad
 
@@ -558,6 +564,7 @@ def _split_worker(deferred: int):
 
     def before_step(step, module):
         _WeightGate.fail = step == 2
+        _WeightGate.fail_at, _WeightGate.calls = 4, 0  # the last microbatch's weight gradient
 
     from smp.state import get_state
 
@@ -580,4 +587,4 @@ def test_weight_gradients_apart_are_exact_and_fail_cleanly(pools, deferred):
         assert [r[0] for i, r in enumerate(result) if i != 2] == [expected] * 3, result
         assert "weight gradient failed on purpose" in result[2], result[2]
         if rank == 0:  # the failing stage raises its own error; the others name where it was
-            assert "stage 1, microbatch 0, module 'b1'" in result[2], result[2]
+            assert "stage 1, microbatch 3, module 'b1'" in result[2], result[2]
