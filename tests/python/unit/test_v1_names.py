@@ -31,14 +31,19 @@ V1_NAMES = [
     "smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2", "smp.__version__",
     "smp.save", "smp.load", "smp.save_checkpoint", "smp.resume_from_checkpoint",
     "smp.set_activation_checkpointing", "smp.checkpoint", "smp.checkpoint_sequential",
-    "smp.num_microbatches",
+    "smp.num_microbatches", "smp.utils.rmsg", "smp.utils.get_distribution_axis",
+    "smp.state_mod.state", "smp.test.torch.utils.dump_model", "smp.test.torch.utils.verify",
+    "smp.nn.huggingface.gpt2.translate_hf_state_dict_to_smdistributed",
 ]  # fmt: skip
 
 
 def _resolve(path: str):
+    """The object at ``path``, importing modules as a script's ``from a.b import c`` would."""
     parts = path.split(".")
     value = importlib.import_module(parts[0])
-    for part in parts[1:]:
+    for i, part in enumerate(parts[1:], start=1):
+        if not hasattr(value, part):
+            importlib.import_module(".".join(parts[: i + 1]))
         value = getattr(value, part)
     return value
 
@@ -83,3 +88,19 @@ def test_the_v1_parent_package_reaches_smp_and_its_version():
 
     assert smdistributed.modelparallel.torch is smp
     assert smdistributed.modelparallel.__version__ == smp.__version__
+
+
+def test_v1_internal_helpers_that_scripts_import():
+    from smp.state_mod import state
+    from smp.utils import get_distribution_axis, rmsg
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    assert get_distribution_axis(weight) is None
+    weight._smp_tp_split = (1, 1)
+    assert get_distribution_axis(weight) == 1
+    smp.init({})
+    try:
+        assert state.cfg is smp.state.cfg and state.cfg.fp16 is False
+        assert rmsg("hello").endswith("] hello") and rmsg("hello").startswith("[0:")
+    finally:
+        smp.shutdown()

@@ -1,0 +1,1 @@
+"""SMP v1's ``test`` package path, for scripts that import its debugging helpers."""
