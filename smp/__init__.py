@@ -19,6 +19,7 @@ import contextlib as _contextlib
 from smp import amp, comm, nn, optimizers
 from smp._unbuilt import fail as _fail
 from smp._unbuilt import function as _unbuilt_function
+from smp.checkpoint_io import load, save
 from smp.comm import *  # noqa: F403 - rank helpers, groups and object collectives
 from smp.config import Config
 from smp.model import DistributedModel
@@ -40,8 +41,6 @@ from smp.timeline import Timeline, last_step_timeline
 __version__ = "0.1.0"
 
 # Checkpoints and activation checkpointing (SMP v1's API): importable, not built yet.
-save = _unbuilt_function("smp.save", "saving objects per rank (checkpoints)")
-load = _unbuilt_function("smp.load", "loading objects per rank (checkpoints)")
 save_checkpoint = _unbuilt_function("smp.save_checkpoint", "checkpoints")
 resume_from_checkpoint = _unbuilt_function("smp.resume_from_checkpoint", "checkpoints")
 set_activation_checkpointing = _unbuilt_function(
