@@ -1,6 +1,7 @@
 # smp — the two set-up commands are `make demo` and `make test`; both set up everything they need.
 #
-#   make demo    .venv + torch + build, then the demo training job on 4 CPU processes (pp 2 x tp 2)
+#   make demo    .venv + torch + build, then the demo training job on 4 CPU processes (pp 2 x tp 2),
+#                saved at its end and resumed for 20 more steps
 #   make test    .venv + torch + build, then every test: C++ (ctest, with and without torch),
 #                the core-include check, and the Python suites
 #   make lint    ruff, clang-format (dry run) and the core-include check
@@ -17,8 +18,15 @@ NPROC_DEMO ?= 4
 
 .PHONY: demo test build core test-cpp test-python check-core lint sysdeps venv clean
 
+DEMO_CKPT := build/demo/gpt.pt
+
 demo: build
-	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC_DEMO) examples/gpt/train.py
+	@mkdir -p $(dir $(DEMO_CKPT))
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC_DEMO) examples/gpt/train.py \
+	    --checkpoint $(DEMO_CKPT)
+	@echo "--- the same job again, resumed from the checkpoint for 20 more steps ---"
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC_DEMO) examples/gpt/train.py \
+	    --checkpoint $(DEMO_CKPT) --resume --steps 20
 
 test: build check-core core test-cpp test-python
 

@@ -170,6 +170,7 @@ class DistributedModel(nn.Module):
         self._step_count = 0
         self._join: _Join | None = None  # inside `with model.join():`
         self._comm_hook: tuple[Any, Callable] | None = None  # (state, hook)
+        self._deferred_load: tuple | None = None  # a partial state dict given before partition
 
         _check_replicas_match(self.module)
         params = _unique_parameters(self.module)
@@ -266,8 +267,12 @@ class DistributedModel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a full state dict (original keys); each rank takes the part it holds. A partial
         one (from ``local_state_dict()``, marked ``_smp_is_partial``) is this rank's own part:
-        it loads on the layout that saved it."""
+        it loads on the layout that saved it; before the first step partitions the model it is
+        kept and loaded right after the partition (as in v1)."""
         if state_dict.get(PARTIAL_KEY, False):
+            if not self.partitioned:  # v1: it loads once this rank knows its part
+                self._deferred_load = (state_dict, strict, assign)
+                return None
             return self._load_partial(state_dict, strict, assign)
         state_dict = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
         if self._runtime is None:
@@ -580,10 +585,37 @@ class DistributedModel(nn.Module):
 
         self._runtime = PipelineRuntime(state, self.module, value.assignment, value.module_costs())
         self._release_remote_tensors()
+        self._apply_deferred_load(state)
         if state.rank == 0:
             logger.info("%s", value.report())
         for hook in list(self._post_partition_hooks.values()):
             hook(self, None)
+
+    def _apply_deferred_load(self, state) -> None:
+        """Loads a partial state dict given before the partition; every rank learns whether
+        every rank could (one small all-gather), so a mismatch fails everywhere at once."""
+        deferred, self._deferred_load = self._deferred_load, None
+        failure: BaseException | None = None
+        if deferred is not None:
+            try:
+                self._load_partial(*deferred)
+            except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+                failure = exc
+        outcomes: list[Any] = [None] * state.world_size
+        dist.all_gather_object(
+            outcomes, None if failure is None else str(failure), group=state.groups["world"]
+        )
+        if failure is not None:
+            raise failure
+        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if failed:
+            from smp.step import StepFailedError
+
+            rank, message = failed[0]
+            raise StepFailedError(
+                f"smp: loading the partial state dict given before the partition failed on rank "
+                f"{rank}: {message}"
+            )
 
     def _release_remote_tensors(self) -> None:
         """Frees the storage of parameters and buffers owned by other stages: each rank keeps

@@ -67,6 +67,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         "when the number of processes is a multiple of 4, else 1)",
     )
     p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="save the training state here at the end (one file per model-parallel rank)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --checkpoint: model, optimizer, step and random state",
+    )
+    p.add_argument(
         "--eval-every",
         type=int,
         default=0,
@@ -167,6 +178,17 @@ def main(argv=None) -> int:
         smp.set_tensor_parallelism(block)
     model = smp.DistributedModel(net)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
+    start = 0
+    if args.resume:
+        if args.checkpoint is None:
+            raise ValueError("--resume needs --checkpoint: the file the earlier run saved")
+        # This rank's part (smp.save wrote one file per model-parallel rank): loaded once the
+        # first step has partitioned the model, as in SMP v1.
+        saved = smp.load(str(args.checkpoint))
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng"])
+        start = saved["step"]
 
     dp, pp, tp = smp.dp_size(), smp.pp_size(), smp.tp_size()
     if is_main:
@@ -204,7 +226,8 @@ def main(argv=None) -> int:
     first_loss = loss_val = float("nan")
     train_time = 0.0
     last_len = 0
-    for step in range(1, args.steps + 1):
+    last = start + args.steps
+    for step in range(start + 1, last + 1):
         t0 = time.perf_counter()
         gen = make_generator(args.seed, step, smp.dp_rank())
         x_BT, y_BT = sample_batch(train_N, args.batch_size, args.seq_len, gen)
@@ -216,29 +239,43 @@ def main(argv=None) -> int:
         loss_val = dp_mean(loss.item())
         train_time += time.perf_counter() - t0
 
-        if step == 1:
+        if step == start + 1:
             first_loss = loss_val
             if is_main and pp > 1:  # the model was partitioned by this first step
                 print(model.partition_report(), flush=True)
         if is_main:
-            line = progress_line(step, args.steps, loss_val, step * tokens_per_step / train_time)
+            line = progress_line(
+                step, last, loss_val, (step - start) * tokens_per_step / train_time
+            )
             if tty:  # pad so a shorter line fully covers the previous one
-                print(
-                    "\r" + line.ljust(last_len), end="\n" if step == args.steps else "", flush=True
-                )
+                print("\r" + line.ljust(last_len), end="\n" if step == last else "", flush=True)
                 last_len = len(line)
-            elif step % args.log_every == 0 or step == args.steps:
+            elif step % args.log_every == 0 or step == last:
                 print(line, flush=True)
-        if args.eval_every and step % args.eval_every == 0 and step != args.steps:
+        if args.eval_every and step % args.eval_every == 0 and step != last:
             if is_main and tty:
                 print()
             evaluate(f"step {step}: ")
 
     evaluate("end: ")
+    if args.checkpoint is not None and smp.rdp_rank() == 0:  # one copy per model-parallel rank
+        state = {
+            "model": model.local_state_dict(),
+            "optimizer": optimizer.local_state_dict(),
+            "step": last,
+            "rng": torch.get_rng_state(),
+        }
+        written = smp.save(state, str(args.checkpoint))
+        if is_main:
+            print(
+                f"checkpoint: step {last} saved to {args.checkpoint}_<model-parallel rank> "
+                f"({written} on this rank); continue with --checkpoint {args.checkpoint} --resume",
+                flush=True,
+            )
     tok_s = args.steps * tokens_per_step / train_time if train_time > 0 else 0.0
     if is_main:
         print(
-            f"done: {args.steps} steps, {tok_s:.0f} tokens/s, final loss {loss_val:.2f} "
+            f"done: steps {start + 1}-{last}, {tok_s:.0f} tokens/s, final loss {loss_val:.4f} "
             f"(first {first_loss:.2f}), world size {smp.size()} = pp {pp} x tp {tp} x "
             f"{smp.rdp_size()} data-parallel, "
             f"microbatches {args.microbatches}",
