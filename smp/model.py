@@ -40,7 +40,6 @@ logger = logging.getLogger("smp")
 
 _UNSUPPORTED_FLAGS = (
     "fp16",
-    "bf16",
     "shard_optimizer_state",
     "offload_activations",
     "delayed_parameter_initialization",

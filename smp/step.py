@@ -8,6 +8,7 @@ ranks that disagree on whether this was a training step fail instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -310,7 +311,10 @@ class _StepFunction:
         first_args, first_kwargs = calls[0]
         for model in models:
             if not model.partitioned:
-                model._partition(lambda: self._run_microbatch(state, 0, first_args, first_kwargs))
+                with _precision(state):  # tracing runs the forward as the steps will
+                    model._partition(
+                        lambda: self._run_microbatch(state, 0, first_args, first_kwargs)
+                    )
         runtimes = [m._runtime for m in models if m._runtime is not None]
         if len(runtimes) > 1:
             raise NotImplementedError("smp.step: one pipelined DistributedModel per step function")
@@ -353,14 +357,15 @@ class _StepFunction:
         original: BaseException | None = None
         state.in_step = True
         try:
-            if runtimes:
-                results, backward_calls = runtimes[0].run_step(self.func, calls)
-                for model in models:
-                    model._step_backward_count = backward_calls
-            else:
-                for mb, (mb_args, mb_kwargs) in enumerate(calls):
-                    state.microbatch = mb
-                    results.append(self.func(*mb_args, **mb_kwargs))
+            with _precision(state):  # pipeline workers and served calls inherit it (§4j)
+                if runtimes:
+                    results, backward_calls = runtimes[0].run_step(self.func, calls)
+                    for model in models:
+                        model._step_backward_count = backward_calls
+                else:
+                    for mb, (mb_args, mb_kwargs) in enumerate(calls):
+                        state.microbatch = mb
+                        results.append(self.func(*mb_args, **mb_kwargs))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
             original = exc
             error = _MicrobatchError(
@@ -513,6 +518,15 @@ def _agree_on_outcome(
         model._agreed_backward_count = int(counts[0, i]) if len(counts) else 0
         start += n
     return False
+
+
+def _precision(state: State):
+    """The step's mixed precision: with ``bf16`` the step function runs under ``torch.autocast``
+    to bfloat16 on this rank's device; the parameters (the fp32 master weights), their gradients
+    and the gradient reduction stay in float32 (design.md §2b)."""
+    if state.config.bf16:
+        return torch.autocast(device_type=state.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _join_round(state: State, models: list, is_active: bool) -> list[int]:

@@ -243,7 +243,8 @@ class DistributedLinear(DistributedModule):
         if not self.input_is_parallel:
             x = tpf.scatter_to_region(x, -1, group)
         y = tpf.reduce_from_region(self.local(x), group)
-        return y + self.bias if self.bias is not None else y
+        # In the product's dtype, as nn.Linear's bias is under autocast.
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (
@@ -547,7 +548,10 @@ class _Sublayer(DistributedModule):
 
     def _output(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         out = tpf.tp_dropout(
-            out + bias, self.hidden_dropout_prob, self.training, self.layout.dropout_kind
+            out + bias.to(out.dtype),
+            self.hidden_dropout_prob,
+            self.training,
+            self.layout.dropout_kind,
         )
         x = _residual(x, out, self.fp32_residual_addition)
         return self.layernorm(x) if self.layernorm is not None else x

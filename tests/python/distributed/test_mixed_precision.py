@@ -1,0 +1,105 @@
+"""bf16 mixed precision (``"bf16": True``): the step's forward runs under ``torch.autocast`` to
+bfloat16 on every stage, the parameters, gradients and reductions stay in float32.
+
+Against one process running the same global batches under ``torch.autocast(dtype=bfloat16)``:
+the demo GPT at pp 2 x tp 2 and an unmodified Hugging Face Llama at pp 2 x tp 2 (whole model
+marked), every rank with its own samples. Checked: the loss of every step, every gradient and
+the parameters after SGD steps, to bfloat16's tolerance, and that the projections of both stages
+computed in bfloat16.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import build_model, loss_fn, make_batch, split_gpt_blocks, tiny_hf_model
+from test_tp_parity import full_grads
+
+STEPS = 3
+TOL = dict(rtol=3e-2, atol=3e-3)  # bfloat16 keeps 8 bits of mantissa
+
+
+def _batches(kind: str, step: int, replica: int):
+    if kind == "gpt":
+        return make_batch("gpt", 4, step, seed=50 + replica)
+    g = torch.Generator().manual_seed(1000 * replica + step)
+    ids = [torch.randint(0, 64, (4,), generator=g)]  # x[t+1] = 5 x[t] + 3 mod 64: learnable
+    for _ in range(7):
+        ids.append((5 * ids[-1] + 3) % 64)
+    ids = torch.stack(ids, 1)
+    return ids, ids
+
+
+def _loss(kind: str, model, ids, labels):
+    if kind == "gpt":
+        return loss_fn("gpt", model(ids), labels)
+    return model(input_ids=ids, labels=labels)["loss"]
+
+
+def _worker(kind: str):
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
+              "bf16": True})  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "gpt":
+        reference = build_model("gpt")
+        module = copy.deepcopy(reference)
+        split_gpt_blocks(smp, module)
+    else:
+        reference = tiny_hf_model("llama", 64, 8, use_cache=False)
+        module = copy.deepcopy(reference)
+        smp.set_tensor_parallelism(module)
+    model = smp.DistributedModel(module)
+    dtypes: set[torch.dtype] = set()
+
+    def record(_module, _args, output):
+        if isinstance(output, torch.Tensor):
+            dtypes.add(output.dtype)
+
+    for sub in model.module.modules():
+        if "Linear" in type(sub).__name__:
+            sub.register_forward_hook(record)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+
+    @smp.step
+    def train_step(model, ids, labels):
+        loss = _loss(kind, model, ids, labels)
+        model.backward(loss)
+        return loss
+
+    replicas = smp.dp_size()  # the TP ranks of a stage bring their own samples
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = train_step(model, *_batches(kind, step, smp.dp_rank())).reduce_mean()
+        loss = sum(smp.allgather(loss.item(), smp.DP_GROUP)) / replicas
+        reference_optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = sum(
+                _loss(kind, reference, *_batches(kind, step, r)) for r in range(replicas)
+            )
+        (expected / replicas).backward()
+        assert abs(loss - expected.item() / replicas) <= 3e-2 * abs(loss), (step, loss, expected)
+        grads = full_grads(model)
+        for name, q in reference.named_parameters():
+            if name in grads and q.grad is not None:
+                torch.testing.assert_close(grads[name], q.grad, **TOL, msg=lambda m, n=name: n + m)
+        optimizer.step()
+        reference_optimizer.step()
+        losses.append(loss)
+    full = model.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, **TOL, msg=lambda m, n=name: n + m)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the master weights
+    return sorted(str(d) for d in dtypes), losses
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_bf16_pp2_tp2_matches_one_process_under_autocast(pools, kind):
+    for dtypes, losses in pools.run(4, _worker, kind, timeout_s=300):
+        assert dtypes == ["torch.bfloat16"], dtypes  # every projection, on both stages
+        assert losses[-1] < losses[0], losses
