@@ -39,7 +39,6 @@ PARTIAL_KEY = "_smp_is_partial"  # SMP v1's marker of a rank's partial state dic
 logger = logging.getLogger("smp")
 
 _UNSUPPORTED_FLAGS = (
-    "fp16",
     "shard_optimizer_state",
     "offload_activations",
     "delayed_parameter_initialization",
@@ -199,6 +198,12 @@ class DistributedModel(nn.Module):
             raise RuntimeError(
                 "model.backward(loss) must be called inside a function decorated with @smp.step"
             )
+        scale = getattr(state, "loss_scale", 1.0) if state.config.fp16 else 1.0
+        if scale != 1.0:  # fp16: the loss scale (smp.DistributedOptimizer unscales)
+            if grad_tensors is None:
+                tensors = _scaled(tensors, scale)
+            else:
+                grad_tensors = _scaled(grad_tensors, scale)
         if self._runtime is not None:
             self._runtime.backward(tensors, grad_tensors)
         else:
@@ -769,6 +774,12 @@ class DistributedModel(nn.Module):
         with torch.no_grad():
             # The root is a rank of the group, as in c10d's BroadcastOptions.
             dist._broadcast_coalesced(state.groups[group], tensors, self.bucket_bytes, root)
+
+
+def _scaled(tensors, scale: float):
+    if isinstance(tensors, torch.Tensor):
+        return tensors * scale
+    return type(tensors)(t * scale for t in tensors)
 
 
 def _is_shard(p: torch.Tensor) -> bool:

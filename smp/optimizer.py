@@ -27,6 +27,72 @@ logger = logging.getLogger("smp")
 _classes: dict[type, type] = {}
 
 
+class LossScaler:
+    """SMP v1's fp16 loss scale: static, or dynamic with its arguments and defaults.
+
+    Dynamic: starts at ``init_scale``; an overflow lowers it by ``scale_factor`` (not below
+    ``min_scale``) once ``delayed_shift`` overflows have been seen (the hysteresis; with
+    ``consecutive_hysteresis`` only consecutive ones count), and ``scale_window`` steps in a row
+    without one raise it by ``scale_factor``.
+    """
+
+    DEFAULTS = dict(
+        init_scale=2.0**32,
+        scale_factor=2.0,
+        scale_window=1000,
+        min_scale=1.0,
+        delayed_shift=1,
+        consecutive_hysteresis=False,
+    )
+
+    def __init__(self, static_loss_scale: float | None, dynamic: bool, args: dict[str, Any]):
+        unknown = sorted(set(args) - set(self.DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"smp.DistributedOptimizer: unknown dynamic_loss_args {unknown}; known: "
+                f"{sorted(self.DEFAULTS)}"
+            )
+        options = {**self.DEFAULTS, **args}
+        self.dynamic = bool(dynamic)
+        if not self.dynamic and (static_loss_scale is None or not static_loss_scale > 0):
+            raise ValueError(
+                "smp.DistributedOptimizer: static_loss_scale must be > 0 (or dynamic_loss_scale="
+                f"True), got {static_loss_scale!r}"
+            )
+        self.scale = float(options["init_scale"] if self.dynamic else static_loss_scale)
+        self.factor = float(options["scale_factor"])
+        self.window = int(options["scale_window"])
+        self.min_scale = float(options["min_scale"])
+        self.delayed_shift = int(options["delayed_shift"])
+        self.consecutive = bool(options["consecutive_hysteresis"])
+        self.hysteresis = self.delayed_shift
+        self.good_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            self.good_steps = 0
+            if self.hysteresis <= 1:
+                self.scale = max(self.scale / self.factor, self.min_scale)
+                self.hysteresis = self.delayed_shift
+            else:
+                self.hysteresis -= 1
+            return
+        if self.consecutive:
+            self.hysteresis = self.delayed_shift
+        self.good_steps += 1
+        if self.good_steps % self.window == 0:
+            self.scale *= self.factor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("scale", "hysteresis", "good_steps")}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        for key, value in saved.items():
+            setattr(self, key, value)
+
+
 def _distributed_class(cls: type) -> type:
     """``cls`` with DistributedOptimizer's methods first (one class per optimizer class)."""
     if cls not in _classes:
@@ -44,11 +110,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: a torch.optim.Optimizer over the DistributedModel's parameters.
         static_loss_scale, dynamic_loss_scale, dynamic_loss_args: fp16 loss scaling, as in SMP
-            v1; accepted and unused while ``fp16`` is off (as v1 does), not built yet with it.
+            v1 (:class:`LossScaler`; the dynamic arguments may also come as keywords); unused
+            while ``fp16`` is off, as in v1. With ``fp16`` on, ``model.backward`` scales the
+            loss and ``step()`` unscales, skipping the step on every rank when any rank's
+            gradients hold an inf or NaN.
 
     Raises:
-        ValueError: ``optimizer`` is not a torch optimizer.
-        NotImplementedError: loss scaling with ``fp16`` on (mixed precision is not built yet).
+        ValueError: ``optimizer`` is not a torch optimizer, or a bad loss-scale argument.
     """
 
     def __new__(
@@ -67,16 +135,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "smp.DistributedOptimizer wraps a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}"
             )
-        scaling = static_loss_scale != 1.0 or dynamic_loss_scale or dynamic_loss_args or kwargs
-        if scaling and state.config.fp16:
-            raise NotImplementedError(
-                "smp.DistributedOptimizer: loss scaling for fp16 is not built yet "
-                "(static_loss_scale, dynamic_loss_scale)"
-            )
-        if scaling:
+        args = {**(dynamic_loss_args or {}), **kwargs}  # v1 also takes them as keywords
+        scaling = static_loss_scale != 1.0 or dynamic_loss_scale or args
+        if scaling and not state.config.fp16:
             logger.info("smp.DistributedOptimizer: loss-scale arguments unused (fp16 is off)")
         if not isinstance(optimizer, DistributedOptimizer):
             optimizer.__class__ = _distributed_class(type(optimizer))
+        optimizer._smp_scaler = None
+        optimizer._smp_unscaled = None  # this step's overflow, once unscaled (clip_grad_norm_)
+        if state.config.fp16:
+            optimizer._smp_scaler = LossScaler(static_loss_scale, dynamic_loss_scale, args)
+            state.loss_scale = optimizer._smp_scaler.scale
         return optimizer
 
     def __init__(self, optimizer: torch.optim.Optimizer | None = None, *args: Any, **kwargs: Any):
@@ -88,13 +157,59 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self
 
     def step(self, closure=None):
-        """One optimizer step on the reduced gradients (call it outside the step function)."""
-        if get_state().in_step:
+        """One optimizer step on the reduced gradients (call it outside the step function).
+
+        With ``fp16``: the gradients are unscaled first; if any rank has an inf or NaN among its
+        gradients, every rank skips the step (and returns None) and a dynamic loss scale drops.
+        """
+        state = get_state()
+        if state.in_step:
             raise RuntimeError(
                 "optimizer.step() must be called after the @smp.step function returns, not "
                 "inside it"
             )
+        scaler = getattr(self, "_smp_scaler", None)
+        if scaler is None:
+            return super().step(closure)
+        overflow = self._unscale()
+        self._smp_unscaled = None
+        before = scaler.scale
+        scaler.update(overflow)
+        state.loss_scale = scaler.scale
+        if overflow:
+            if state.rank == 0:
+                logger.warning(
+                    "smp: fp16 gradients overflowed on some rank; the step is skipped on every "
+                    "rank (loss scale %g -> %g)",
+                    before,
+                    scaler.scale,
+                )
+            return None
         return super().step(closure)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        scaler = getattr(self, "_smp_scaler", None)
+        return 1.0 if scaler is None else scaler.scale
+
+    def _unscale(self) -> bool:
+        """Divides this step's gradients by the loss scale (once) and tells whether any rank
+        found an inf or NaN among its gradients (one all-reduce over the world)."""
+        if self._smp_unscaled is not None:
+            return self._smp_unscaled
+        state = get_state()
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = list({id(g): g for g in grads}.values())
+        inverse = 1.0 / self._smp_scaler.scale
+        bad = torch.zeros(1, dtype=torch.float32, device=state.device)
+        for grad in grads:
+            grad.mul_(inverse)
+            bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float().reshape(1))
+        if state.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=state.groups["world"])
+        self._smp_unscaled = bool(bad.item() > 0)
+        return self._smp_unscaled
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state: its stage's parameters, its tensor-parallel shards, and
@@ -132,8 +247,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().load_state_dict({"state": entries, "param_groups": state_dict["param_groups"]})
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """SMP v1's clipping of the fp32 master gradients (its fp16 optimizer). smp trains with
-        the parameters' own fp32 gradients (fp16 is not built yet): :meth:`clip_grad_norm_`."""
+        """SMP v1's clipping of the fp32 master gradients (its fp16 optimizer): smp's are the
+        parameters' own fp32 gradients, so this is :meth:`clip_grad_norm_` (which unscales them
+        first under fp16)."""
         return self.clip_grad_norm_(max_norm, norm_type)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -147,6 +263,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm!r}")
+        if getattr(self, "_smp_scaler", None) is not None and self._unscale():
+            return torch.tensor(float("inf"))  # an overflow: step() skips this step anyway
         state = get_state()
         grads = [
             p.grad for group in self.param_groups for p in group["params"] if p.grad is not None

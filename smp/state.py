@@ -88,6 +88,7 @@ class State:
         owns_default_group: bool,
     ):
         self.config = config
+        self.loss_scale = 1.0  # fp16: the scale model.backward applies (smp.DistributedOptimizer)
         self.topology = topology
         self.rank = rank
         self.world_size = topology.world_size

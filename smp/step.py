@@ -521,11 +521,13 @@ def _agree_on_outcome(
 
 
 def _precision(state: State):
-    """The step's mixed precision: with ``bf16`` the step function runs under ``torch.autocast``
-    to bfloat16 on this rank's device; the parameters (the fp32 master weights), their gradients
-    and the gradient reduction stay in float32 (design.md §2b)."""
-    if state.config.bf16:
-        return torch.autocast(device_type=state.device.type, dtype=torch.bfloat16)
+    """The step's mixed precision: with ``bf16`` (``fp16``) the step function runs under
+    ``torch.autocast`` to bfloat16 (float16) on this rank's device; the parameters (the fp32
+    master weights), their gradients and the gradient reduction stay in float32 (design.md
+    §2b)."""
+    if state.config.bf16 or state.config.fp16:
+        dtype = torch.bfloat16 if state.config.bf16 else torch.float16
+        return torch.autocast(device_type=state.device.type, dtype=dtype)
     return contextlib.nullcontext()
 
 

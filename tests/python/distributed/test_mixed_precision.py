@@ -103,3 +103,76 @@ def test_bf16_pp2_tp2_matches_one_process_under_autocast(pools, kind):
     for dtypes, losses in pools.run(4, _worker, kind, timeout_s=300):
         assert dtypes == ["torch.bfloat16"], dtypes  # every projection, on both stages
         assert losses[-1] < losses[0], losses
+
+
+def _fp16_worker():
+    """fp16 with a static loss scale against one process under autocast to float16 with the
+    same scale, then an inf injected on one rank with a dynamic scale."""
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
+              "fp16": True})  # fmt: skip
+    torch.manual_seed(0)
+    reference = build_model("gpt")
+    module = copy.deepcopy(reference)
+    split_gpt_blocks(smp, module)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), static_loss_scale=1024.0
+    )
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+
+    @smp.step
+    def train_step(model, ids, labels):
+        loss = _loss("gpt", model, ids, labels)
+        model.backward(loss)
+        return loss
+
+    replicas = smp.dp_size()
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = train_step(model, *_batches("gpt", step, smp.dp_rank())).reduce_mean()
+        loss = sum(smp.allgather(loss.item(), smp.DP_GROUP)) / replicas
+        grads = full_grads(model)  # still scaled: the optimizer unscales them
+        reference_optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            expected = sum(_loss("gpt", reference, *_batches("gpt", step, r)) for r in range(2))
+        (expected / replicas * 1024.0).backward()
+        for q in reference.parameters():
+            q.grad /= 1024.0
+        assert abs(loss - expected.item() / replicas) <= 1e-2 * abs(loss), (step, loss, expected)
+        for name, q in reference.named_parameters():
+            if name in grads:
+                torch.testing.assert_close(grads[name] / 1024.0, q.grad, **TOL, msg=name)
+        optimizer.step()
+        reference_optimizer.step()
+    full = model.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, **TOL, msg=lambda m, n=name: n + m)
+
+    # A dynamic scale; an inf on one rank only: every rank skips the step and lowers the scale.
+    optimizer = smp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 2.0**10, "scale_window": 2},
+    )
+    scales, skipped = [], []
+    for step in range(4):
+        optimizer.zero_grad()
+        train_step(model, *_batches("gpt", step, smp.dp_rank()))
+        if step == 1 and smp.rank() == 3:
+            grad = next(p.grad for p in model.local_parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("inf")
+        before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+        result = optimizer.step()
+        after = dict(model.local_named_parameters())
+        skipped.append(result is None and all(torch.equal(after[n], v) for n, v in before.items()))
+        scales.append(optimizer.loss_scale)
+    return skipped, scales
+
+
+def test_fp16_loss_scaling_and_a_skipped_step(pools):
+    for skipped, scales in pools.run(4, _fp16_worker, timeout_s=300):
+        assert skipped == [False, True, False, False], skipped  # on every rank
+        # 1024 -> overflow halves it -> 2 good steps double it
+        assert scales == [1024.0, 512.0, 512.0, 1024.0], scales
