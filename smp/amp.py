@@ -1,9 +1,50 @@
-"""smp.amp (SMP v1): a gradient scaler for scripts that scale fp16 losses themselves."""
+"""smp.amp (SMP v1): a gradient scaler for scripts that scale fp16 losses themselves.
+
+``smp.amp.GradScaler`` is ``torch.amp.GradScaler`` whose overflow check covers every rank: each
+rank's inf/NaN flags are all-reduced (MAX) over the world when the gradients are unscaled, so a
+step is skipped, and the scale lowered, on every rank at once (pipeline stages and TP shards
+hold different gradients). Use it as torch's: ``model.backward(scaler.scale(loss))`` inside the
+step function, ``scaler.step(optimizer)`` and ``scaler.update()`` after it. (With
+``smp.DistributedOptimizer``'s own loss scaling under ``"fp16": True`` there is nothing to add.)
+"""
 
 from __future__ import annotations
 
-from smp._unbuilt import placeholder
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smp.state import get_state, is_initialized
 
 __all__ = ["GradScaler"]
 
-GradScaler = placeholder("smp.amp.GradScaler", "fp16 loss scaling across model-parallel ranks")
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` with the overflow decision agreed by every rank. ``device``
+    defaults to this rank's device type (v1 takes no device)."""
+
+    def __init__(self, device: str | None = None, *args: Any, **kwargs: Any):
+        if device is None:
+            device = get_state().device.type if is_initialized() else "cpu"
+        super().__init__(device, *args, **kwargs)
+        if self._enabled:
+            # Now, not at the first scale(): under pipeline parallelism only the stage that runs
+            # the step function calls scale(), and every stage unscales and steps.
+            self._lazy_init_scale_growth_tracker(torch.device(device))
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if not self._enabled or not is_initialized():
+            return
+        state = get_state()
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        local = torch.zeros(1, dtype=torch.float32, device=state.device)
+        for flag in found.values():
+            local = torch.maximum(local, flag.reshape(1).to(local.device, torch.float32))
+        if state.world_size > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=state.groups["world"])
+        for flag in found.values():
+            flag.copy_(local.to(flag.device).reshape(flag.shape))
+        if not found:  # this rank holds no gradient: it still follows the others' decision
+            found[state.device] = local.reshape(())

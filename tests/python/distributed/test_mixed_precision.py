@@ -176,3 +176,44 @@ def test_fp16_loss_scaling_and_a_skipped_step(pools):
         assert skipped == [False, True, False, False], skipped  # on every rank
         # 1024 -> overflow halves it -> 2 good steps double it
         assert scales == [1024.0, 512.0, 512.0, 1024.0], scales
+
+
+def _grad_scaler_worker():
+    """A script that scales its losses itself with smp.amp.GradScaler, at pp 2: an inf in one
+    stage's gradients skips the step on both stages and lowers the scale on both."""
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    module = build_model("gpt")
+    split_gpt_blocks(smp, module)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    scaler = smp.amp.GradScaler(init_scale=256.0, growth_interval=2)
+
+    @smp.step
+    def train_step(model, ids, labels):
+        loss = _loss("gpt", model, ids, labels)
+        model.backward(scaler.scale(loss))
+        return loss
+
+    skipped, scales = [], []
+    for step in range(4):
+        optimizer.zero_grad()
+        train_step(model, *_batches("gpt", step, 0))
+        if step == 1 and smp.pp_rank() == 1:
+            grad = next(p.grad for p in model.local_parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("nan")
+        before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+        scaler.step(optimizer)
+        scaler.update()
+        after = dict(model.local_named_parameters())
+        skipped.append(all(torch.equal(after[n], v) for n, v in before.items()))
+        scales.append(scaler.get_scale())
+    return skipped, scales
+
+
+def test_smp_grad_scaler_agrees_on_overflow_across_stages(pools):
+    for skipped, scales in pools.run(2, _grad_scaler_worker, timeout_s=300):
+        assert skipped == [False, True, False, False], skipped
+        assert scales == [256.0, 128.0, 128.0, 256.0], scales

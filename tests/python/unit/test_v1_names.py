@@ -56,7 +56,6 @@ def test_the_v1_name_exists(path):
 @pytest.mark.parametrize(
     "use,words",
     [
-        (lambda: smp.amp.GradScaler(), "fp16 loss scaling"),
         (lambda: smp.optimizers.FusedLamb([torch.zeros(1)]), "LAMB"),
         (lambda: smp.optimizers.FusedNovoGrad([torch.zeros(1)]), "NovoGrad"),
         (lambda: smp.nn.FlashAttentionLayer(), "flash-attention"),
