@@ -10,8 +10,6 @@ step function, ``scaler.step(optimizer)`` and ``scaler.update()`` after it. (Wit
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -24,10 +22,20 @@ class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` with the overflow decision agreed by every rank. ``device``
     defaults to this rank's device type (v1 takes no device)."""
 
-    def __init__(self, device: str | None = None, *args: Any, **kwargs: Any):
+    def __init__(
+        self,
+        device: str | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ):
         if device is None:
             device = get_state().device.type if is_initialized() else "cpu"
-        super().__init__(device, *args, **kwargs)
+        super().__init__(
+            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
+        )
         if self._enabled:
             # Now, not at the first scale(): under pipeline parallelism only the stage that runs
             # the step function calls scale(), and every stage unscales and steps.

@@ -25,6 +25,7 @@ __all__ = ["DistributedOptimizer"]
 logger = logging.getLogger("smp")
 
 _classes: dict[type, type] = {}
+SCALER_KEY = "smp_loss_scaler"  # the fp16 loss scale's state, in the optimizer's state dicts
 
 
 class LossScaler:
@@ -214,8 +215,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state: its stage's parameters, its tensor-parallel shards, and
         v1's marker ``"_smp_is_partial": True`` (``load_state_dict`` takes it back on the same
-        layout)."""
-        return {**super().state_dict(), PARTIAL_KEY: True}
+        layout). Under fp16 both state dicts also hold the loss scale (``SCALER_KEY``)."""
+        return {**super().state_dict(), **self._scaler_state(), PARTIAL_KEY: True}
+
+    def _scaler_state(self) -> dict[str, Any]:
+        scaler = getattr(self, "_smp_scaler", None)
+        return {} if scaler is None else {SCALER_KEY: scaler.state_dict()}
+
+    def _load_scaler_state(self, state_dict: dict[str, Any]) -> None:
+        scaler = getattr(self, "_smp_scaler", None)
+        if scaler is not None and SCALER_KEY in state_dict:
+            scaler.load_state_dict(state_dict[SCALER_KEY])
+            get_state().loss_scale = scaler.scale
 
     def state_dict(self) -> dict[str, Any]:
         """The full optimizer state, as one process training the whole model would hold it:
@@ -230,14 +241,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             parts: list[Any] = [None] * state.axis_size("pp")
             dist.all_gather_object(parts, entries, group=state.groups["pp"])
             entries = {i: e for part in parts for i, e in part.items()}
-        return {"state": dict(sorted(entries.items())), "param_groups": local["param_groups"]}
+        return {
+            "state": dict(sorted(entries.items())),
+            "param_groups": local["param_groups"],
+            **self._scaler_state(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a full state (from :meth:`state_dict`, or one process's optimizer over the
         same model): each rank takes its stage's entries and its tensor-parallel shards. A
         partial state (from :meth:`local_state_dict`) is this rank's own: it loads as it is."""
+        self._load_scaler_state(state_dict)
         if state_dict.get(PARTIAL_KEY, False):
-            local = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
+            local = {k: v for k, v in state_dict.items() if k not in (PARTIAL_KEY, SCALER_KEY)}
             return super().load_state_dict(local)
         state = get_state()
         params = [p for group in self.param_groups for p in group["params"]]

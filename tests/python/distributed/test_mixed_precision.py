@@ -168,6 +168,18 @@ def _fp16_worker():
         after = dict(model.local_named_parameters())
         skipped.append(result is None and all(torch.equal(after[n], v) for n, v in before.items()))
         scales.append(optimizer.loss_scale)
+
+    # The loss scale is part of the optimizer's state dicts (partial and full): a resumed run
+    # goes on with the same scale and the same count of good steps.
+    scaler = optimizer._smp_scaler
+    for saved in (optimizer.local_state_dict(), optimizer.state_dict()):
+        fresh = smp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5), dynamic_loss_scale=True
+        )
+        assert fresh.loss_scale == 2.0**32  # v1's initial scale
+        fresh.load_state_dict(saved)
+        assert fresh._smp_scaler.state_dict() == scaler.state_dict()
+        assert smp.state.get_state().loss_scale == scaler.scale  # what model.backward applies
     return skipped, scales
 
 
