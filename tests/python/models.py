@@ -81,6 +81,19 @@ def loss_fn(name: str, output, target):
     return lm_loss(output, target)
 
 
+def gpt_train_step(smp):
+    """The demo GPT's training step as an ``smp.step`` function ``(model, x, y) -> loss``: the
+    loss, ``model.backward(loss)``, the loss back."""
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = loss_fn("gpt", model(x), y)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 def parity_adamw(params):
     """AdamW for parity tests. Adam's update lr * m / (sqrt(v) + eps) has sensitivity lr / eps to
     a gradient near zero, so fp32 summation-order noise (~1e-9: microbatches, ranks and stages add

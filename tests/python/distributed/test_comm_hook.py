@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from models import build_model, loss_fn, make_batch, split_gpt_blocks
+from models import build_model, gpt_train_step, make_batch, split_gpt_blocks
 
 
 def _train(smp, pp: int, hook=None, bucket_cap_mb: float = 25) -> tuple[dict, list]:
@@ -24,11 +24,7 @@ def _train(smp, pp: int, hook=None, bucket_cap_mb: float = 25) -> tuple[dict, li
         model.register_comm_hook(smp.get_dp_process_group(), hook(calls))
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("gpt", model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = gpt_train_step(smp)
 
     for step in range(2):
         optimizer.zero_grad()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from models import build_model, loss_fn, make_batch, split_gpt_blocks
+from models import build_model, gpt_train_step, loss_fn, make_batch, split_gpt_blocks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -32,11 +32,7 @@ def _join_worker(pp: int, tp: int, steps_per_replica: list[int]):
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("gpt", model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = gpt_train_step(smp)
 
     # Each rank of the TP group holds its own samples: a replica is a (dp, tp) pair here.
     replica, replicas = smp.dp_rank(), smp.dp_size()
@@ -85,11 +81,7 @@ def _split_replica_worker():
     split_gpt_blocks(smp, module)
     model = smp.DistributedModel(module)
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("gpt", model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = gpt_train_step(smp)
 
     start = time.monotonic()
     replica_split = pytest.raises(RuntimeError, match="ranks of one model replica ran out")

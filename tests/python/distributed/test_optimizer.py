@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import build_model, loss_fn, make_batch, parity_adamw, split_gpt_blocks
+from models import build_model, gpt_train_step, loss_fn, make_batch, parity_adamw, split_gpt_blocks
 
 from smp.model import PARTIAL_KEY
 
@@ -30,11 +30,7 @@ def _optimizer_worker(pp: int, tp: int):
     reference_optimizer = parity_adamw(reference.parameters())
     reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, 1, gamma=0.5)
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("gpt", model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = gpt_train_step(smp)
 
     for step in range(2):
         x, y = make_batch("gpt", 4, step)
@@ -96,11 +92,7 @@ def _model_surface_worker():
     split = [n for n, p in model.module.named_parameters() if model.is_distributed_parameter(p)]
     assert split and not any(model.is_distributed_buffer(b) for b in model.module.buffers())
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("gpt", model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = gpt_train_step(smp)
 
     train_step(model, *make_batch("gpt", 4, 0))
     local = dict(model.local_named_modules())

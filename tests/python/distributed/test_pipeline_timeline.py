@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from models import build_model, loss_fn, make_batch
+from models import build_model, gpt_train_step, make_batch
 
 
 def _timeline_worker(tmp: str, schedule: str) -> dict:
@@ -18,11 +18,7 @@ def _timeline_worker(tmp: str, schedule: str) -> dict:
     torch.manual_seed(0)
     model = smp.DistributedModel(build_model("gpt"))
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("gpt", model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = gpt_train_step(smp)
 
     x, y = make_batch("gpt", 8, 0)
     with pytest.raises(RuntimeError, match="no pipelined step has run"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import build_model, loss_fn, make_batch, split_gpt_blocks
+from models import build_model, gpt_train_step, make_batch, split_gpt_blocks
 
 
 def _worker(directory: str):
@@ -28,11 +28,7 @@ def _worker(directory: str):
     model = smp.DistributedModel(module)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn("gpt", model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = gpt_train_step(smp)
 
     def train(steps: int, first: int):
         for step in range(first, first + steps):
