@@ -171,12 +171,7 @@ class DistributedModel(nn.Module):
         self._deferred_load: tuple | None = None  # a partial state dict given before partition
 
         _check_replicas_match(self.module)
-        params = _unique_parameters(self.module)
-        # Shards differ across the TP group: each is broadcast over its rdp group. Everything
-        # else (replicated parameters included) is the same on every rank of the dp group.
-        self._broadcast_from_dp_rank0([p for p in params if not _is_shard(p)])
-        self._broadcast([p for p in params if _is_shard(p)], "rdp")
-        self._broadcast_from_dp_rank0(list(self.module.buffers()))
+        self._broadcast_model(lambda group: 0)
         # One stage: everything is already where it runs. With pp > 1 the first smp.step traces
         # the model and partitions it (see _partition).
         self.partitioned = cfg.pipeline_parallel_degree == 1
@@ -319,34 +314,18 @@ class DistributedModel(nn.Module):
         it. Tensor-parallel shards stay shards (the distributed modules compute on them);
         ``state_dict()`` gives them whole."""
         if self._runtime is not None:
-            remote = {
-                name: t
-                for name, t in (*self.module.named_parameters(), *self.module.named_buffers())
-                if not self._owns(name)
-            }
-            full = self.state_dict()
-            # Non-persistent buffers are not in the state dict: gathered from their owners.
-            extra = {
-                n: b.detach().cpu()
-                for n, b in self.module.named_buffers()
-                if self._owns(n) and n not in full
-            }
+            # A pipeline group's ranks share a TP rank: each stage's tensors (its shards as
+            # they are, non-persistent buffers included) are what this rank needs.
+            tensors = dict((*self.module.named_parameters(), *self.module.named_buffers()))
+            own = {n: t.detach().cpu() for n, t in tensors.items() if self._owns(n)}
             state = get_state()
             parts: list[Any] = [None] * state.axis_size("pp")
-            dist.all_gather_object(parts, extra, group=state.groups["pp"])
-            for part in parts:
-                full.update(part)
-            from smp.nn.functional import shard_state
-
-            mine = shard_state(
-                {k: full[k] for k in remote},
-                self._split_params(),
-                state.axis_size("tp"),
-                state.axis_rank("tp"),
-            )
+            dist.all_gather_object(parts, own, group=state.groups["pp"])
             with torch.no_grad():
-                for name, value in mine.items():
-                    remote[name].data = value.to(remote[name].dtype).clone()
+                for part in parts:
+                    for name, value in part.items():
+                        if not self._owns(name):
+                            tensors[name].data = value.to(tensors[name].dtype)
         return super().cpu()
 
     def _split_params(self) -> dict[str, torch.Tensor]:
@@ -498,19 +477,15 @@ class DistributedModel(nn.Module):
     def _sync_after_join(self) -> None:
         """Parameters and buffers from the lowest rank of this rank's groups that was active in
         the last step any replica ran."""
-        state = get_state()
         last = self._join.last_active
         if last is None:
             return
-        params = _unique_parameters(self.module)
-        for group, tensors in (
-            ("dp", [p for p in params if not _is_shard(p)] + list(self.module.buffers())),
-            ("rdp", [p for p in params if _is_shard(p)]),
-        ):
-            members = state.group_ranks[group]
-            active = [i for i, r in enumerate(members) if last[r]]
-            if active:
-                self._broadcast([t for t in tensors if t.numel() > 0], group, active[0])
+        members = get_state().group_ranks
+
+        def root(group: str) -> int | None:
+            return next((i for i, r in enumerate(members[group]) if last[r]), None)
+
+        self._broadcast_model(root)
 
     def register_comm_hook(self, state: Any, callable: Callable) -> None:  # noqa: A002 - v1's name
         """Reduces the gradients with ``callable(state, bucket)`` instead of smp's all-reduce
@@ -761,6 +736,21 @@ class DistributedModel(nn.Module):
                     offset += g.numel()
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _broadcast_model(self, root: Callable[[str], int | None]) -> None:
+        """Parameters and buffers from one replica to the others: TP shards differ across the
+        TP group, so each is broadcast over its rdp group; everything else (replicated
+        parameters included) is the same on every rank of the dp group. ``root(group)`` is the
+        index in the group to broadcast from (None: nothing). Tensors another stage holds
+        (released, empty) are left out."""
+        params = _unique_parameters(self.module)
+        for group, tensors in (
+            ("dp", [p for p in params if not _is_shard(p)] + list(self.module.buffers())),
+            ("rdp", [p for p in params if _is_shard(p)]),
+        ):
+            index = root(group)
+            if index is not None:
+                self._broadcast([t for t in tensors if t.numel() > 0], group, index)
 
     def _broadcast_from_dp_rank0(self, tensors: list[torch.Tensor]) -> None:
         self._broadcast(tensors, "dp")
