@@ -200,17 +200,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._smp_unscaled is not None:
             return self._smp_unscaled
         state = get_state()
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        grads = list({id(g): g for g in grads}.values())
         inverse = 1.0 / self._smp_scaler.scale
         bad = torch.zeros(1, dtype=torch.float32, device=state.device)
-        for grad in grads:
+        for grad in self._grads():
             grad.mul_(inverse)
             bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float().reshape(1))
         if state.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=state.groups["world"])
         self._smp_unscaled = bool(bad.item() > 0)
         return self._smp_unscaled
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The gradients of this optimizer's parameters, each once (tied parameters share one)."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return list({id(g): g for g in grads}.values())
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state: its stage's parameters, its tensor-parallel shards, and
@@ -282,10 +285,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if getattr(self, "_smp_scaler", None) is not None and self._unscale():
             return torch.tensor(float("inf"))  # an overflow: step() skips this step anyway
         state = get_state()
-        grads = [
-            p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
-        ]
-        grads = all_grads = list({id(g): g for g in grads}.values())
+        grads = all_grads = self._grads()
         # Gradients are identical across the TP group except shards of split parameters: count
         # the others once per model replica, on TP rank 0.
         if state.axis_size("tp") > 1 and state.axis_rank("tp") != 0:

@@ -183,8 +183,8 @@ _V1_KERNEL_OPTIONS = {
     "fused_dropout": "dropout runs as torch ops (same result, no fused kernel)",
     "flash_attention": "torch's scaled_dot_product_attention picks flash attention on GPUs by "
     "itself",
-    "attention_in_fp32": "attention computes in the model's dtype (fp32: fp16/bf16 are not built "
-    "yet)",
+    "attention_in_fp32": "attention computes as torch.autocast decides under bf16/fp16 (its "
+    "matrix products in the low precision)",
     "query_key_layer_scaling": "the attention scores are scaled once by 1/sqrt(head size) (the "
     "same values in exact arithmetic)",
     "distribute_embedding": "embeddings of marked models are split along the vocabulary by "
@@ -336,9 +336,8 @@ def alias_layer_lists(root: nn.Module) -> list[str]:
     names and state-dict keys stay the model's. Returns the paths given the alias."""
     named = []
     for path, module in root.named_modules():
-        if not isinstance(getattr(module, _MARK, None), dict) or "seq_layers" in module.__dict__:
-            continue
-        if "seq_layers" in module._modules:
+        taken = "seq_layers" in module.__dict__ or "seq_layers" in module._modules
+        if taken or not isinstance(getattr(module, _MARK, None), dict):
             continue
         for name in _LAYER_LISTS:
             layers = module._modules.get(name)
@@ -412,7 +411,9 @@ def _override(cls: type, args: tuple, kwargs: dict, options: dict) -> tuple[tupl
     replacing the value given (positionally or not); entries it does not take are dropped."""
     signature = inspect.signature(cls)
     params = signature.parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    var_keyword = next(
+        (k for k, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None
+    )
     try:
         bound = signature.bind_partial(*args, **kwargs)
     except TypeError as exc:
@@ -420,12 +421,10 @@ def _override(cls: type, args: tuple, kwargs: dict, options: dict) -> tuple[tupl
             f"the init hook's arguments do not fit {cls.__name__}: {exc}"
         ) from exc
     for key, value in options.items():
-        if key in params and params[key].kind is not inspect.Parameter.VAR_KEYWORD:
+        if key in params and key != var_keyword:
             bound.arguments[key] = value
-        elif takes_any:
-            bound.arguments.setdefault(
-                next(k for k, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), {}
-            )[key] = value
+        elif var_keyword is not None:
+            bound.arguments.setdefault(var_keyword, {})[key] = value
     return bound.args, bound.kwargs
 
 
