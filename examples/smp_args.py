@@ -1,5 +1,5 @@
-"""The command-line configuration the examples share: ``--config FILE`` / ``--pp`` / ``--tp`` /
-``--microbatches``.
+"""What the examples share: the command-line configuration (``--config FILE`` / ``--pp`` /
+``--tp`` / ``--microbatches``), the rank's device, the learning-rate warmup, the loss summary.
 
 When any of ``--pp``, ``--tp``, ``--microbatches`` is given, they build the dict given to
 ``smp.init`` (over the keys of ``--config``'s file, if given too). Otherwise ``smp.init()`` reads
@@ -16,6 +16,8 @@ import json
 import os
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 
 def add_smp_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,3 +53,20 @@ def first_and_last_loss(smp: ModuleType, losses: list[float], window: int) -> tu
     mine = (sum(losses[:window]) / window, sum(losses[-window:]) / window)
     every = smp.allgather(mine, smp.DP_GROUP)
     return sum(f for f, _ in every) / len(every), sum(la for _, la in every) / len(every)
+
+
+def rank_device(smp: ModuleType) -> torch.device:
+    """``cuda:<local rank>`` (made current) where there is a GPU, else the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(smp.local_rank())
+        return torch.device("cuda", smp.local_rank())
+    return torch.device("cpu")
+
+
+def warmup_then_linear(optimizer: torch.optim.Optimizer, steps: int):
+    """A LambdaLR: linear warmup over a tenth of ``steps``, then linear decay to a tenth."""
+    warmup = max(1, steps // 10)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min((s + 1) / warmup, max(0.1, 1 - (s - warmup) / max(1, steps - warmup))),
+    )

@@ -45,7 +45,13 @@ except ImportError:  # running from a source checkout without installing smp
     import smp
 
 sys.path.insert(0, str(HERE.parent))  # examples/: the shared flags
-from smp_args import add_smp_arguments, first_and_last_loss, init_smp  # noqa: E402
+from smp_args import (  # noqa: E402
+    add_smp_arguments,
+    first_and_last_loss,
+    init_smp,
+    rank_device,
+    warmup_then_linear,
+)
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3  # special tokens; the ordinary ones are SPECIAL..vocab-1
 SPECIAL = 4
@@ -130,11 +136,7 @@ def train_step(model, input_ids, attention_mask, labels):
 def main(argv=None) -> int:
     args = parse_args(argv)
     init_smp(smp, args)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(smp.local_rank())
-        device = torch.device("cuda", smp.local_rank())
-    else:
-        device = torch.device("cpu")
+    device = rank_device(smp)
 
     torch.manual_seed(args.seed)  # every rank builds the same model
     with smp.tensor_parallelism(enabled=smp.tp_size() > 1):
@@ -144,11 +146,7 @@ def main(argv=None) -> int:
     optimizer = smp.DistributedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     )
-    warmup = max(1, args.steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: min((s + 1) / warmup, max(0.1, 1 - (s - warmup) / max(1, args.steps - warmup))),
-    )
+    scheduler = warmup_then_linear(optimizer, args.steps)
     name = f"{args.model}_mlm"
     if smp.rank() == 0:
         split = ", ".join(model.distributed_modules) or "nothing"

@@ -46,7 +46,13 @@ except ImportError:  # running from a source checkout without installing smp
     import smp
 
 sys.path.insert(0, str(HERE.parent))  # examples/: the shared flags
-from smp_args import add_smp_arguments, first_and_last_loss, init_smp  # noqa: E402
+from smp_args import (  # noqa: E402
+    add_smp_arguments,
+    first_and_last_loss,
+    init_smp,
+    rank_device,
+    warmup_then_linear,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,11 +136,7 @@ def main(argv=None) -> int:
         return plan_only(args, cfg)
 
     init_smp(smp, args)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(smp.local_rank())
-        device = torch.device("cuda", smp.local_rank())
-    else:
-        device = torch.device("cpu")
+    device = rank_device(smp)
 
     torch.manual_seed(args.seed)  # every rank builds the same model
     with smp.tensor_parallelism(enabled=smp.tp_size() > 1):
@@ -142,11 +144,7 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in net.parameters())
     model = smp.DistributedModel(net)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
-    warmup = max(1, args.steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: min((s + 1) / warmup, max(0.1, 1 - (s - warmup) / max(1, args.steps - warmup))),
-    )
+    scheduler = warmup_then_linear(optimizer, args.steps)
     seq = args.seq_len or min(cfg.n_positions, 64)
     if smp.rank() == 0:
         split = ", ".join(model.distributed_modules) or "nothing"

@@ -42,7 +42,12 @@ except ImportError:  # running from a source checkout without installing smp
     import smp
 
 sys.path.insert(0, str(HERE.parent))  # examples/: the shared flags
-from smp_args import add_smp_arguments, first_and_last_loss, init_smp  # noqa: E402
+from smp_args import (  # noqa: E402
+    add_smp_arguments,
+    first_and_last_loss,
+    init_smp,
+    rank_device,
+)
 
 sys.path.insert(0, str(HERE))
 from model import NeuMF, hits_at_k, make_interactions, sample_batch  # noqa: E402
@@ -106,11 +111,7 @@ def hit_rate(model, data, rows_per_step: int, device: torch.device) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     init_smp(smp, args)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(smp.local_rank())
-        device = torch.device("cuda", smp.local_rank())
-    else:
-        device = torch.device("cpu")
+    device = rank_device(smp)
 
     data = make_interactions(args.users, args.items, seed=args.seed)
     torch.manual_seed(args.seed)  # every rank builds the same model
@@ -134,8 +135,7 @@ def main(argv=None) -> int:
         )
 
     rows_per_step = args.batch_size * (1 + args.negatives)
-    # A multiple of the training batch, so it splits into microbatches as that does (SMP v1 had
-    # smp.num_microbatches() to ask; smp does not have it).
+    # A multiple of the training batch, so it splits into microbatches as that does.
     eval_rows = rows_per_step * max(1, 4096 // rows_per_step)
     hr_before = hit_rate(model, data, eval_rows, device)
 
