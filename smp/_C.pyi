@@ -1,6 +1,7 @@
 """Type stubs for smp._C, the C++ core and libtorch layer (csrc/python)."""
 
 import enum
+from collections.abc import Buffer
 
 import torch
 import torch.distributed
@@ -363,3 +364,7 @@ class PipelineServer:
     def policy(self) -> ServerPolicy: ...
     @property
     def announced_backward_calls(self) -> int: ...
+
+# ---- checkpoint checksum (checksum_bindings.cpp) ----
+def crc32c(data: Buffer, crc: int = 0) -> int: ...
+def crc32c_is_hardware() -> bool: ...
