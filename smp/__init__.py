@@ -20,6 +20,7 @@ from smp import amp, comm, nn, optimizers
 from smp._unbuilt import fail as _fail
 from smp._unbuilt import function as _unbuilt_function
 from smp.checkpoint_io import load, save
+from smp.checkpoints import CheckpointError, resume_from_checkpoint, save_checkpoint
 from smp.comm import *  # noqa: F403 - rank helpers, groups and object collectives
 from smp.config import Config
 from smp.model import DistributedModel
@@ -40,9 +41,7 @@ from smp.timeline import Timeline, last_step_timeline
 
 __version__ = "0.1.0"
 
-# Checkpoints and activation checkpointing (SMP v1's API): importable, not built yet.
-save_checkpoint = _unbuilt_function("smp.save_checkpoint", "checkpoints")
-resume_from_checkpoint = _unbuilt_function("smp.resume_from_checkpoint", "checkpoints")
+# Activation checkpointing (SMP v1's API): importable, not built yet.
 set_activation_checkpointing = _unbuilt_function(
     "smp.set_activation_checkpointing", "activation checkpointing"
 )
@@ -90,6 +89,7 @@ __all__ = [
     "is_tracing",
     "delay_param_initialization",
     "save",
+    "CheckpointError",
     "load",
     "save_checkpoint",
     "resume_from_checkpoint",

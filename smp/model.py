@@ -170,8 +170,11 @@ class DistributedModel(nn.Module):
         self._comm_hook: tuple[Any, Callable] | None = None  # (state, hook)
         self._deferred_load: tuple | None = None  # a partial state dict given before partition
 
+        self._after_partition: list[Callable[[], None]] = []  # e.g. a checkpoint to load
+
         _check_replicas_match(self.module)
         self._broadcast_model(lambda group: 0)
+        state.models.append(self)
         # One stage: everything is already where it runs. With pp > 1 the first smp.step traces
         # the model and partitions it (see _partition).
         self.partitioned = cfg.pipeline_parallel_degree == 1
@@ -565,6 +568,9 @@ class DistributedModel(nn.Module):
         self._runtime = PipelineRuntime(state, self.module, value.assignment, value.module_costs())
         self._release_remote_tensors()
         self._apply_deferred_load(state)
+        pending, self._after_partition = self._after_partition, []
+        for action in pending:  # collectives: every rank runs the same list
+            action()
         if state.rank == 0:
             logger.info("%s", value.report())
         for hook in list(self._post_partition_hooks.values()):

@@ -147,6 +147,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if state.config.fp16:
             optimizer._smp_scaler = LossScaler(static_loss_scale, dynamic_loss_scale, args)
             state.loss_scale = optimizer._smp_scaler.scale
+        state.optimizers.append(optimizer)
         return optimizer
 
     def __init__(self, optimizer: torch.optim.Optimizer | None = None, *args: Any, **kwargs: Any):

@@ -102,6 +102,10 @@ class State:
         # The pipeline runtimes of this job's models, held weakly (a model owns its runtime and
         # releases it with itself); shutdown() closes those alive before the groups go.
         self.runtimes = _WeakList()
+        # The DistributedModels and DistributedOptimizers of this job, held weakly, newest last:
+        # what smp.save_checkpoint / resume_from_checkpoint use when not given them.
+        self.models = _WeakList()
+        self.optimizers = _WeakList()
         # Step bookkeeping, set by smp.step while a step function runs.
         self.in_step = False
         self.microbatch: int | None = None

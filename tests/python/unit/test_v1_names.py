@@ -61,8 +61,6 @@ def test_the_v1_name_exists(path):
         (lambda: smp.nn.FlashAttentionLayer(), "flash-attention"),
         (lambda: smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2({}), "GPT-2 keys"),
         (lambda: smp.delay_param_initialization().__enter__(), "delayed parameter"),
-        (lambda: smp.save_checkpoint("/tmp", "t"), "checkpoints"),
-        (lambda: smp.resume_from_checkpoint("/tmp"), "checkpoints"),
         (lambda: smp.set_activation_checkpointing(torch.nn.Linear(1, 1)), "activation"),
         (lambda: smp.checkpoint(torch.nn.Linear(1, 1), torch.ones(1)), "activation"),
     ],

@@ -1,0 +1,754 @@
+"""``smp.save_checkpoint`` / ``smp.resume_from_checkpoint`` (api.md §9): checkpoints of the
+model, the optimizer, the loss scale, every rank's random state and the user's own content,
+that survive a process killed mid-save and load under another (pp, tp, dp) layout.
+
+A checkpoint is a directory ``path/tag``:
+
+- ``partial=True`` (the default): a torch.distributed.checkpoint (DCP) directory. Every rank
+  hands DCP the tensors it holds under their original names (``model/<key>``,
+  ``optim/<parameter key>/<state key>``), a tensor-parallel shard described as the chunk(s) of
+  the full tensor it is, so DCP's planner writes each piece once (data-parallel replicas are
+  deduplicated) and reads back whatever pieces another layout needs. smp does not define a
+  file format of its own for the tensors.
+- ``partial=False``: ``model.pt`` holds ``model.state_dict()`` (original keys, full shapes:
+  ``torch.load`` + ``load_state_dict`` into the unwrapped model), ``optimizer.pt`` the full
+  ``optimizer.state_dict()``; written by rank 0.
+
+Both also hold ``user_content.pt`` (rank 0's ``user_content``), ``rng.pt`` (every rank's
+random state: torch's, CUDA's, python's and the TP generators') and ``smp_checkpoint.json``,
+the manifest: the layout that saved it and every file's size and CRC-32C, written last.
+
+Fault safety: a save writes into ``path/.<tag>.tmp-<id>``; once every rank's files are on
+disk (fsync'd) rank 0 writes the manifest, renames the directory to ``path/tag`` (an older
+``path/tag`` is moved aside first and removed only after) and then replaces ``path/newest``
+atomically. A process killed at any point leaves the previous checkpoints and ``newest``
+whole; the next save removes the leftovers. Loading checks the manifest's sizes and checksums
+before reading anything (every rank checks its share of the files) and fails on every rank
+with :class:`CheckpointError` naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smp.state import get_state
+
+__all__ = ["save_checkpoint", "resume_from_checkpoint", "CheckpointError"]
+
+logger = logging.getLogger("smp")
+
+FORMAT = 1
+MANIFEST = "smp_checkpoint.json"
+NEWEST = "newest"
+_BLOCK = 8 << 20  # bytes read at a time when checksumming
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or resumed (missing, incomplete, truncated, corrupted,
+    or not matching the model); the message names the file or key and what is wrong."""
+
+
+# ---- what a rank holds, under checkpoint keys --------------------------------------------------
+
+
+def _tp(state) -> tuple[int, int]:
+    return state.axis_size("tp"), state.axis_rank("tp")
+
+
+def _entry(value: Any, param: torch.Tensor | None, state) -> Any:
+    """``value`` as DCP sees it: the chunks of the full tensor when it is a TP shard shaped
+    like its split parameter ``param``, else itself."""
+    from smp._dcp import _Chunks
+
+    split = getattr(param, "_smp_tp_split", None)
+    if (
+        split is not None
+        and isinstance(value, torch.Tensor)
+        and value.shape == param.shape
+        and _tp(state)[0] > 1
+    ):
+        return _Chunks.of(value, split, *_tp(state))
+    return value
+
+
+def _model_entries(model, state) -> dict[str, Any]:
+    split = model._split_params()
+    return {f"model/{k}": _entry(v, split.get(k), state) for k, v in model._local_state().items()}
+
+
+def _param_names(model) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, p in model.module.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def _owned_optimizer_params(model, optimizer) -> list[tuple[str, torch.Tensor]]:
+    names = _param_names(model)
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name is None:
+                raise CheckpointError(
+                    "the optimizer holds a parameter that is not one of the model's (shape "
+                    f"{tuple(p.shape)}): a checkpoint names optimizer state by parameter name; "
+                    "build the optimizer over model.parameters()"
+                )
+            if model._owns(name):
+                out.append((name, p))
+    return out
+
+
+def _optimizer_entries(model, optimizer, state) -> dict[str, Any]:
+    entries: dict[str, Any] = {}
+    for name, p in _owned_optimizer_params(model, optimizer):
+        for key, value in optimizer.state.get(p, {}).items():
+            entries[f"optim/{name}/{key}"] = _entry(value, p, state)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    entries["optim/param_groups"] = groups
+    scaler = getattr(optimizer, "_smp_scaler", None)
+    if scaler is not None:
+        entries["optim/loss_scaler"] = scaler.state_dict()
+    return entries
+
+
+def _materialize_optimizer_state(model, optimizer) -> None:
+    """Creates the optimizer's state for this rank's parameters if it has none yet (a fresh
+    optimizer, before its first step), so that DCP has tensors to load into: one step of the
+    optimizer's own algorithm on zero gradients with every learning rate at 0 (the parameters
+    do not change)."""
+    from smp.optimizer import DistributedOptimizer
+
+    owned = [p for _, p in _owned_optimizer_params(model, optimizer) if p.requires_grad]
+    if all(optimizer.state.get(p) for p in owned):
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
+    rates = [g["lr"] for g in optimizer.param_groups]
+    owned_ids = {id(p) for p in owned}
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p) if id(p) in owned_ids else None
+        for g in optimizer.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        with torch.no_grad():
+            before = [p.detach().clone() for p in owned]
+            super(DistributedOptimizer, optimizer).step()  # the user's class's own step
+            for p, b in zip(owned, before):
+                p.copy_(b)  # bit-exact, whatever the algorithm does at lr 0
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        for g, lr in zip(optimizer.param_groups, rates):
+            g["lr"] = lr
+
+
+# ---- random state --------------------------------------------------------------------------------
+
+
+def _rng_state(state) -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    generators = getattr(state, "tp_generators", None)
+    if generators is not None:
+        out["tp"] = {k: g.get_state() for k, g in generators.items()}
+    return out
+
+
+def _set_rng_state(state, saved: dict[str, Any]) -> None:
+    torch.set_rng_state(saved["torch"])
+    random.setstate(saved["python"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    if "tp" in saved:
+        from smp.nn.functional import tp_rng
+
+        for kind, value in saved["tp"].items():
+            tp_rng(kind).set_state(value)
+
+
+# ---- files ---------------------------------------------------------------------------------------
+
+
+def _digest(path: Path) -> dict[str, int]:
+    """A file's size and CRC-32C (smp's C++ core: the CPU's CRC instruction where it has one;
+    the file is read in blocks, the checksum runs without the GIL)."""
+    from smp import _C
+
+    crc, size = 0, 0
+    buffer = bytearray(_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = _C.crc32c(view[:n], crc)
+            size += n
+    return {"bytes": size, "crc32c": crc}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:
+    """Writes ``path`` through a temporary name, fsync'd, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _torch_save(path: Path, obj: Any) -> dict[str, int]:
+    _write_file(path, lambda f: torch.save(obj, f))
+    return _digest(path)
+
+
+# ---- agreement -----------------------------------------------------------------------------------
+
+
+def _agree(state, failure: BaseException | None, what: str) -> None:
+    """Raises on every rank if ``failure`` happened on any rank (one small all-gather)."""
+    outcomes: list[Any] = [None] * state.world_size
+    message = None if failure is None else f"{type(failure).__name__}: {failure}"
+    try:
+        dist.all_gather_object(outcomes, message, group=state.groups["world"])
+    except RuntimeError as exc:  # a rank is gone (killed, crashed): say so, at once
+        raise CheckpointError(
+            f"{what} failed: another rank stopped answering ({exc}); "
+            f"{'this rank had failed too: ' + message if message else 'this rank was fine'}"
+        ) from (failure or exc)
+    if failure is not None:
+        if isinstance(failure, CheckpointError):
+            raise failure
+        raise CheckpointError(f"{what} failed on rank {state.rank}: {message}") from failure
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            raise CheckpointError(f"{what} failed on rank {rank}: {outcome}")
+
+
+def _from_rank0(state, make: Callable[[], Any], what: str) -> Any:
+    """``make()`` run on rank 0, its result (or its failure) given to every rank."""
+    payload: list[Any] = [None]
+    if state.rank == 0:
+        try:
+            payload = [("ok", make())]
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            payload = [("error", f"{type(exc).__name__}: {exc}")]
+            error = exc
+    try:
+        dist.broadcast_object_list(payload, src=0, group=state.groups["world"])
+    except RuntimeError as exc:  # a rank is gone (killed, crashed): say so, at once
+        raise CheckpointError(f"{what} failed: another rank stopped answering ({exc})") from exc
+    status, value = payload[0]
+    if status == "error":
+        if state.rank == 0 and isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(f"{what} failed on rank 0: {value}")
+    return value
+
+
+def _the(objects, given, what: str, required: bool):
+    if given is not None:
+        return given
+    alive = list(objects)
+    if alive:
+        return alive[-1]
+    if required:
+        raise ValueError(
+            f"smp checkpoints: no smp.Distributed{what} exists; create one (or pass "
+            f"{what.lower()}=)"
+        )
+    return None
+
+
+def _optimizer_of(model, state):
+    """The newest DistributedOptimizer over ``model``'s parameters, or None."""
+    mine = {id(p) for p in model.parameters()}
+    for optimizer in reversed(list(state.optimizers)):
+        if any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+            return optimizer
+    return None
+
+
+def _check_tag(tag: Any) -> str:
+    if not isinstance(tag, str) or not tag or tag.startswith(".") or "/" in tag or tag == NEWEST:
+        raise ValueError(
+            f"smp.save_checkpoint: tag must be a non-empty file name (no '/', not starting with "
+            f"'.', not {NEWEST!r}), got {tag!r}"
+        )
+    return tag
+
+
+def _layout(state) -> dict[str, int]:
+    return {
+        "pp": state.axis_size("pp"),
+        "tp": state.axis_size("tp"),
+        "dp": state.axis_size("rdp"),
+        "world": state.world_size,
+    }
+
+
+# ---- save ----------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: str,
+    tag: str,
+    partial: bool = True,
+    model=None,
+    optimizer=None,
+    user_content: Any = None,
+    translate_if_full: bool = True,
+    num_kept_partial_checkpoints: int | None = None,
+) -> str:
+    """Saves a checkpoint to ``path/tag`` and names it in ``path/newest``; a collective: every
+    rank calls it, after a step (not inside one).
+
+    Args:
+        path: the checkpoints' directory (created if missing; on a file system every rank sees).
+        tag: this checkpoint's name, e.g. ``f"step_{n}"``; an existing one is replaced once the
+            new one is whole.
+        partial: True: every rank writes its part through DCP (loads under any layout).
+            False: rank 0 writes the full state dicts (``torch.load``-able; slower, more memory).
+        model, optimizer: default to the newest DistributedModel and the newest
+            DistributedOptimizer over its parameters.
+        user_content: any picklable object (e.g. the step and data position) that
+            :func:`resume_from_checkpoint` returns; rank 0's is kept.
+        translate_if_full: SMP v1's translation of a full checkpoint back to the model's own
+            (e.g. Hugging Face) keys; smp splits modules in place, so ``state_dict()`` has those
+            keys already and there is nothing to translate.
+        num_kept_partial_checkpoints: keep only this many newest complete checkpoints in
+            ``path`` (older complete ones are deleted after this one is whole).
+
+    Returns:
+        The checkpoint's directory.
+
+    Raises:
+        ValueError: a bad argument, or no model. CheckpointError: a failure on any rank (raised
+        on every rank; the previous checkpoints stay as they were).
+    """
+    state = get_state()
+    if state.in_step:
+        raise RuntimeError("smp.save_checkpoint is called between steps, not inside smp.step")
+    tag = _check_tag(tag)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"smp.save_checkpoint: path must be a directory name, got {path!r}")
+    if num_kept_partial_checkpoints is not None and (
+        not isinstance(num_kept_partial_checkpoints, int) or num_kept_partial_checkpoints < 1
+    ):
+        raise ValueError(
+            "smp.save_checkpoint: num_kept_partial_checkpoints must be an int >= 1 or None, got "
+            f"{num_kept_partial_checkpoints!r}"
+        )
+    model = _the(state.models, model, "Model", required=True)
+    optimizer = optimizer if optimizer is not None else _optimizer_of(model, state)
+    if not model.partitioned:
+        raise ValueError(
+            "smp.save_checkpoint: the model is not partitioned yet (pipeline_parallel_degree > 1 "
+            "partitions it at the first smp.step); save after a step"
+        )
+    root = Path(path)
+    started = time.perf_counter()
+
+    def prepare() -> str:
+        root.mkdir(parents=True, exist_ok=True)
+        name = f".{tag}.tmp-{uuid.uuid4().hex[:12]}"
+        (root / name).mkdir()
+        return name
+
+    tmp = root / _from_rank0(state, prepare, "smp.save_checkpoint: creating the directory")
+    files: dict[str, dict[str, int]] = {}
+    failure: BaseException | None = None
+    try:
+        if partial:
+            files = _save_partial(tmp, model, optimizer, state)
+        else:
+            files = _save_full(tmp, model, optimizer, state)
+        rngs: list[Any] = [None] * state.world_size
+        dist.all_gather_object(rngs, _rng_state(state), group=state.groups["world"])
+        if state.rank == 0:
+            files["rng.pt"] = _torch_save(tmp / "rng.pt", rngs)
+            if user_content is not None:
+                files["user_content.pt"] = _torch_save(tmp / "user_content.pt", user_content)
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        failure = exc
+    _agree(state, failure, "smp.save_checkpoint: writing")
+
+    def publish() -> str:
+        manifest = {
+            "format": FORMAT,
+            "tag": tag,
+            "partial": bool(partial),
+            "layout": _layout(state),
+            "saved_at": time.time(),
+            "files": dict(sorted(files.items())),
+        }
+        _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        _fsync_dir(tmp)
+        final = root / tag
+        aside = None
+        if final.exists():
+            aside = root / f".{tag}.replaced-{tmp.name.rpartition('-')[2]}"
+            os.rename(final, aside)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_file(root / NEWEST, lambda f: f.write(tag.encode()))
+        _fsync_dir(root)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        _remove_leftovers(root)
+        if num_kept_partial_checkpoints is not None:
+            _prune(root, num_kept_partial_checkpoints)
+        return str(final)
+
+    final = _from_rank0(state, publish, "smp.save_checkpoint: publishing")
+    if state.rank == 0:
+        total = sum(f["bytes"] for f in files.values())
+        logger.info(
+            "smp: checkpoint %s saved (%s, %.1f MB written by rank 0) in %.2f s",
+            final,
+            "partial" if partial else "full",
+            total / 1e6,
+            time.perf_counter() - started,
+        )
+    return final
+
+
+def _save_partial(tmp: Path, model, optimizer, state) -> dict[str, dict[str, int]]:
+    import torch.distributed.checkpoint as dcp
+
+    from smp._dcp import _SavePlanner, _Writer
+
+    entries = _model_entries(model, state)
+    if optimizer is not None:
+        entries.update(_optimizer_entries(model, optimizer, state))
+    writer = _Writer(tmp)
+    dcp.save(
+        entries, storage_writer=writer, planner=_SavePlanner(), process_group=state.groups["world"]
+    )
+    parts: list[Any] = [None] * state.world_size
+    dist.all_gather_object(parts, writer.digests, group=state.groups["world"])
+    return {name: digest for part in parts for name, digest in part.items()}
+
+
+def _save_full(tmp: Path, model, optimizer, state) -> dict[str, dict[str, int]]:
+    full = model.state_dict()
+    optim = optimizer.state_dict() if optimizer is not None else None
+    files = {}
+    if state.rank == 0:
+        files["model.pt"] = _torch_save(tmp / "model.pt", full)
+        if optim is not None:
+            files["optimizer.pt"] = _torch_save(tmp / "optimizer.pt", optim)
+    return files
+
+
+def _complete(directory: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Removes what interrupted saves left (``.<tag>.tmp-*``), and a moved-aside older copy
+    once its tag exists again."""
+    for entry in root.iterdir():
+        name = entry.name
+        if (
+            name.startswith(".")
+            and ".tmp-" in name
+            and entry.is_dir()
+            or (
+                name.startswith(".")
+                and ".replaced-" in name
+                and entry.is_dir()
+                and _complete(root / name[1:].rpartition(".replaced-")[0]) is not None
+            )
+        ):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _prune(root: Path, keep: int) -> None:
+    found = []
+    for entry in root.iterdir():
+        if entry.is_dir() and not entry.name.startswith("."):
+            manifest = _complete(entry)
+            if manifest is not None:
+                found.append((manifest["saved_at"], entry))
+    found.sort()
+    for _, entry in found[: max(0, len(found) - keep)]:
+        shutil.rmtree(entry, ignore_errors=True)
+        logger.info("smp: removed checkpoint %s (num_kept_partial_checkpoints=%d)", entry, keep)
+
+
+# ---- resume --------------------------------------------------------------------------------------
+
+
+def resume_from_checkpoint(
+    path: str,
+    tag: str | None = None,
+    partial: bool = True,
+    strict: bool = True,
+    load_optimizer: bool = True,
+    load_sharded_optimizer_state: bool = True,
+    translate_function: Callable | None = None,
+) -> Any:
+    """Resumes from ``path/tag`` (default: the tag ``path/newest`` names) and returns the
+    ``user_content`` it was saved with; a collective: every rank calls it.
+
+    The files are checked against the manifest (size, CRC-32C) at once, on every rank. The
+    model's and optimizer's state then load as soon as this rank knows its part: now if the
+    model is partitioned, else right after the first ``smp.step`` partitions it (as in SMP v1).
+    The checkpoint may come from another (pp, tp, dp) layout (``partial=True`` and ``False``
+    alike); random states are restored only on the layout that saved them.
+
+    Args:
+        strict: every model key must be in the checkpoint and every checkpoint key in the model.
+        load_optimizer: also load the optimizer's state (and the fp16 loss scale).
+        load_sharded_optimizer_state: SMP v1's; optimizer state is never stored sharded by
+            data-parallel rank here, so it changes nothing.
+        translate_function: for ``partial=False``, applied to the loaded model state dict
+            before it is loaded (e.g. a checkpoint written with other keys); smp's own full
+            checkpoints hold the model's keys and need none.
+
+    Raises:
+        CheckpointError: no such checkpoint, an incomplete one, a missing, truncated or
+            corrupted file, or a state that does not match the model (on every rank).
+    """
+    state = get_state()
+    if state.in_step:
+        raise RuntimeError("smp.resume_from_checkpoint is called between steps, not inside one")
+    root = Path(path)
+    failure: BaseException | None = None
+    directory = manifest = None
+    try:
+        tag = _newest(root) if tag is None else tag
+        directory = _locate(root, tag)
+        manifest = _complete(directory)
+        if manifest is None:
+            raise CheckpointError(
+                f"checkpoint {directory} is incomplete: {MANIFEST} is missing or unreadable (a "
+                "save did not finish); resume from an earlier tag"
+            )
+        if bool(manifest["partial"]) != bool(partial):
+            kind = "partial" if manifest["partial"] else "full"
+            raise CheckpointError(
+                f"checkpoint {directory} is a {kind} checkpoint; call resume_from_checkpoint "
+                f"with partial={bool(manifest['partial'])}"
+            )
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        failure = exc
+    _agree(state, failure, "smp.resume_from_checkpoint")
+    _verify(directory, manifest, state)
+
+    user_content = None
+    if "user_content.pt" in manifest["files"]:
+        user_content = torch.load(directory / "user_content.pt", weights_only=False)
+    model = _the(state.models, None, "Model", required=True)
+    optimizer = _optimizer_of(model, state) if load_optimizer else None
+    same_layout = manifest["layout"] == _layout(state)
+
+    def load() -> None:
+        if manifest["partial"]:
+            _load_partial(directory, manifest["files"], model, optimizer, strict, state)
+        else:
+            _load_full(directory, manifest, model, optimizer, strict, translate_function)
+        if same_layout:
+            rngs = torch.load(directory / "rng.pt", weights_only=False)
+            _set_rng_state(state, rngs[state.rank])
+        elif state.rank == 0:
+            logger.info(
+                "smp: %s was saved at layout %s, this job is %s: model and optimizer state "
+                "resharded; random states start afresh",
+                directory,
+                manifest["layout"],
+                _layout(state),
+            )
+
+    if model.partitioned:
+        load()
+    else:
+        model._after_partition.append(load)
+    return user_content
+
+
+def _newest(root: Path) -> str:
+    try:
+        tag = (root / NEWEST).read_text().strip()
+    except OSError:
+        found = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        raise CheckpointError(
+            f"no checkpoint to resume in {root}: {root / NEWEST} does not exist (directories "
+            f"there: {found[:10]}); pass tag= or save a checkpoint first"
+        ) from None
+    if not tag:
+        raise CheckpointError(f"{root / NEWEST} is empty; pass tag=")
+    return tag
+
+
+def _locate(root: Path, tag: str) -> Path:
+    directory = root / tag
+    if directory.is_dir():
+        return directory
+    # A save replacing this tag was killed between moving the old copy aside and renaming the
+    # new one in: the old copy is whole.
+    aside = sorted(root.glob(f".{tag}.replaced-*")) if root.is_dir() else []
+    for candidate in aside:
+        if _complete(candidate) is not None:
+            logger.warning(
+                "smp: %s is missing; resuming from its earlier copy %s", directory, candidate
+            )
+            return candidate
+    raise CheckpointError(f"checkpoint {directory} does not exist")
+
+
+def _verify(directory: Path, manifest: dict, state) -> None:
+    """Checks every file against the manifest: sizes on every rank; the checksums of whole
+    files spread over the ranks (DCP's data files, checksummed per item, are checked as they
+    are read: see smp._dcp._Reader); raises the first problem found on every rank."""
+    problems: list[str] = []
+    names = sorted(manifest["files"])
+    for index, name in enumerate(names):
+        expected = manifest["files"][name]
+        file = directory / name
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{file} is missing (the manifest lists it, {expected['bytes']} bytes)")
+            continue
+        if size != expected["bytes"]:
+            problems.append(
+                f"{file} is truncated or was changed: {size} bytes, the manifest records "
+                f"{expected['bytes']}"
+            )
+        elif "crc32c" in expected and index % state.world_size == state.rank:
+            crc = _digest(file)["crc32c"]
+            if crc != expected["crc32c"]:
+                problems.append(
+                    f"{file} is corrupted: its CRC-32C is {crc:#010x}, the manifest records "
+                    f"{expected['crc32c']:#010x}"
+                )
+    found: list[Any] = [None] * state.world_size
+    dist.all_gather_object(found, problems, group=state.groups["world"])
+    every = sorted({p for part in found for p in part})
+    if every:
+        more = f" (and {len(every) - 1} more)" if len(every) > 1 else ""
+        raise CheckpointError(f"checkpoint {directory}: {every[0]}{more}")
+
+
+def _load_partial(directory: Path, files: dict, model, optimizer, strict: bool, state) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from smp._dcp import _full_size, _LoadPlanner, _Reader
+
+    failure: BaseException | None = None
+    try:
+        targets = _model_entries(model, state)
+        if optimizer is not None:
+            _materialize_optimizer_state(model, optimizer)
+            targets.update(_optimizer_entries(model, optimizer, state))
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        failure = exc
+    _agree(state, failure, f"loading checkpoint {directory}")
+    every_model_key = {f"model/{k}" for k in model.module.state_dict()}
+
+    def check(metadata) -> set[str]:
+        saved = metadata.state_dict_metadata
+        missing = sorted(k for k in targets if k.startswith("model/") and k not in saved)
+        unexpected = sorted(k for k in saved if k.startswith("model/") and k not in every_model_key)
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"checkpoint {directory} does not match the model (strict=True): missing keys "
+                f"{[k[6:] for k in missing[:5]]}, unexpected keys {[k[6:] for k in unexpected[:5]]}"
+            )
+        wrong, skipped = [], set()
+        for key in targets:
+            md = saved.get(key)
+            if md is None:
+                skipped.add(key)  # not in the checkpoint: stays as it is
+                continue
+            size = _full_size(targets[key])
+            if isinstance(md, BytesStorageMetadata) != (size is None):
+                wrong.append(f"{key}: saved as {type(md).__name__}")
+            elif size is not None and md.size != size:
+                wrong.append(f"{key}: saved {tuple(md.size)}, this model {tuple(size)}")
+        if wrong:
+            raise CheckpointError(
+                f"checkpoint {directory} does not match the model: {'; '.join(wrong[:5])}"
+            )
+        return skipped
+
+    planner = _LoadPlanner(check)
+    ranges = {
+        name: {offset: (length, crc) for offset, length, crc in digest["ranges"]}
+        for name, digest in files.items()
+        if "ranges" in digest
+    }
+    try:
+        dcp.load(
+            targets,
+            storage_reader=_Reader(directory, ranges),
+            planner=planner,
+            process_group=state.groups["world"],
+        )
+    except dcp.CheckpointException as exc:
+        rank, error = min(exc.failures.items(), key=lambda item: item[0])
+        if isinstance(error, CheckpointError):
+            raise CheckpointError(str(error)) from exc
+        raise CheckpointError(
+            f"loading checkpoint {directory} failed on rank {rank}: {type(error).__name__}: {error}"
+        ) from exc
+    if optimizer is None:
+        return
+    loaded = set(targets) - planner.skipped
+    for name, p in _owned_optimizer_params(model, optimizer):
+        if not any(k.startswith(f"optim/{name}/") for k in loaded):
+            optimizer.state.pop(p, None)  # no state saved for it: as a fresh optimizer has
+    groups = targets.get("optim/param_groups")
+    if isinstance(groups, list):
+        _load_groups(optimizer, groups, directory)
+    scaler = getattr(optimizer, "_smp_scaler", None)
+    if scaler is not None and isinstance(targets.get("optim/loss_scaler"), dict):
+        scaler.load_state_dict(targets["optim/loss_scaler"])
+        state.loss_scale = scaler.scale
+
+
+def _load_groups(optimizer, saved: list[dict], directory: Path) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint {directory}: the optimizer was saved with {len(saved)} parameter "
+            f"group(s), this one has {len(optimizer.param_groups)}"
+        )
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update(values)
+
+
+def _load_full(directory: Path, manifest: dict, model, optimizer, strict: bool, translate) -> None:
+    full = torch.load(directory / "model.pt", map_location="cpu", weights_only=True)
+    if translate is not None:
+        full = translate(full)
+    model.load_state_dict(full, strict=strict)
+    if optimizer is not None and "optimizer.pt" in manifest["files"]:
+        optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=False))
