@@ -1,7 +1,7 @@
 # smp — the two set-up commands are `make demo` and `make test`; both set up everything they need.
 #
 #   make demo    .venv + torch + build, then the demo training job on 4 CPU processes (pp 2 x tp 2),
-#                saved at its end and resumed for 20 more steps
+#                saved at its end and resumed for 20 more steps at pp 2 x dp 2 (resharded)
 #   make test    .venv + torch + build, then every test: C++ (ctest, with and without torch),
 #                the core-include check, and the Python suites
 #   make lint    ruff, clang-format (dry run) and the core-include check
@@ -18,15 +18,15 @@ NPROC_DEMO ?= 4
 
 .PHONY: demo test build core test-cpp test-python check-core lint sysdeps venv clean
 
-DEMO_CKPT := build/demo/gpt.pt
+DEMO_CKPT := build/demo/checkpoints
 
 demo: build
-	@mkdir -p $(dir $(DEMO_CKPT))
+	@rm -rf $(DEMO_CKPT)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC_DEMO) examples/gpt/train.py \
 	    --checkpoint $(DEMO_CKPT)
-	@echo "--- the same job again, resumed from the checkpoint for 20 more steps ---"
+	@echo "--- resumed from the checkpoint for 20 more steps, resharded to pp 2 x dp 2 ---"
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC_DEMO) examples/gpt/train.py \
-	    --checkpoint $(DEMO_CKPT) --resume --steps 20
+	    --checkpoint $(DEMO_CKPT) --resume --steps 20 --tp 1
 
 test: build check-core core test-cpp test-python
 

@@ -70,12 +70,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--checkpoint",
         type=Path,
         default=None,
-        help="save the training state here at the end (one file per model-parallel rank)",
+        help="checkpoint directory: the training state is saved there at the end "
+        "(smp.save_checkpoint, tag step_<n>; the two newest are kept)",
     )
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from --checkpoint: model, optimizer, step and random state",
+        help="continue from the newest checkpoint in --checkpoint: model, optimizer, step and "
+        "random state (saved under any pp x tp x dp layout)",
     )
     p.add_argument(
         "--eval-every",
@@ -181,14 +183,11 @@ def main(argv=None) -> int:
     start = 0
     if args.resume:
         if args.checkpoint is None:
-            raise ValueError("--resume needs --checkpoint: the file the earlier run saved")
-        # This rank's part (smp.save wrote one file per model-parallel rank): loaded once the
-        # first step has partitioned the model, as in SMP v1.
-        saved = smp.load(str(args.checkpoint))
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["rng"])
-        start = saved["step"]
+            raise ValueError("--resume needs --checkpoint: the directory the earlier run saved to")
+        # Returns the user content now; the model's and optimizer's state (resharded if this
+        # run's layout differs) and the random state load once the first step has partitioned
+        # the model, as in SMP v1.
+        start = smp.resume_from_checkpoint(str(args.checkpoint))["step"]
 
     dp, pp, tp = smp.dp_size(), smp.pp_size(), smp.tp_size()
     if is_main:
@@ -258,18 +257,18 @@ def main(argv=None) -> int:
             evaluate(f"step {step}: ")
 
     evaluate("end: ")
-    if args.checkpoint is not None and smp.rdp_rank() == 0:  # one copy per model-parallel rank
-        state = {
-            "model": model.local_state_dict(),
-            "optimizer": optimizer.local_state_dict(),
-            "step": last,
-            "rng": torch.get_rng_state(),
-        }
-        written = smp.save(state, str(args.checkpoint))
+    if args.checkpoint is not None:  # every rank writes its part
+        written = smp.save_checkpoint(
+            str(args.checkpoint),
+            f"step_{last}",
+            user_content={"step": last},
+            num_kept_partial_checkpoints=2,
+        )
         if is_main:
             print(
-                f"checkpoint: step {last} saved to {args.checkpoint}_<model-parallel rank> "
-                f"({written} on this rank); continue with --checkpoint {args.checkpoint} --resume",
+                f"checkpoint: step {last} saved to {written} (pp {pp} x tp {tp} x "
+                f"{smp.rdp_size()} data-parallel); continue with --checkpoint {args.checkpoint} "
+                "--resume, under this layout or another",
                 flush=True,
             )
     tok_s = args.steps * tokens_per_step / train_time if train_time > 0 else 0.0

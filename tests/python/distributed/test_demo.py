@@ -37,10 +37,10 @@ def test_demo_pp2_tp2_trains_and_resumes(tmp_path):
     assert "smp partition: 2 stages" in out, out[-4000:]
     assert "world size 4 = pp 2 x tp 2 x 1 data-parallel" in out, out[-4000:]
 
-    checkpoint = tmp_path / "gpt.pt"
+    checkpoint = tmp_path / "checkpoints"
     first = _demo("--steps", "4", "--checkpoint", str(checkpoint))
     assert "checkpoint: step 4 saved to" in first, first[-4000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"gpt.pt_{r}" for r in range(4)]
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["newest", "step_4"]
     second = _demo("--steps", "4", "--checkpoint", str(checkpoint), "--resume")
     assert "done: steps 5-8" in second, second[-4000:]
     end_val = re.search(r"end: val loss (\S+)", first).group(1)
