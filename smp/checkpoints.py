@@ -97,11 +97,13 @@ def _param_names(model) -> dict[int, str]:
 
 
 def _owned_optimizer_params(model, optimizer) -> list[tuple[str, torch.Tensor]]:
+    """(model parameter name, optimizer parameter) for this rank's parameters; an optimizer
+    parameter may be the float32 master weight of a low-precision model parameter."""
     names = _param_names(model)
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            name = names.get(id(p))
+            name = names.get(id(optimizer.model_parameter(p)))
             if name is None:
                 raise CheckpointError(
                     "the optimizer holds a parameter that is not one of the model's (shape "
@@ -115,9 +117,13 @@ def _owned_optimizer_params(model, optimizer) -> list[tuple[str, torch.Tensor]]:
 
 def _optimizer_entries(model, optimizer, state) -> dict[str, Any]:
     entries: dict[str, Any] = {}
+    from smp.optimizer import MASTER_KEY
+
     for name, p in _owned_optimizer_params(model, optimizer):
         for key, value in optimizer.state.get(p, {}).items():
             entries[f"optim/{name}/{key}"] = _entry(value, p, state)
+        if p is not optimizer.model_parameter(p):  # a float32 master weight
+            entries[f"optim/{name}/{MASTER_KEY}"] = _entry(p.detach(), p, state)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     entries["optim/param_groups"] = groups
     scaler = getattr(optimizer, "_smp_scaler", None)
@@ -285,7 +291,8 @@ def _optimizer_of(model, state):
     """The newest DistributedOptimizer over ``model``'s parameters, or None."""
     mine = {id(p) for p in model.parameters()}
     for optimizer in reversed(list(state.optimizers)):
-        if any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+        params = (optimizer.model_parameter(p) for g in optimizer.param_groups for p in g["params"])
+        if any(id(p) in mine for p in params):
             return optimizer
     return None
 
@@ -367,6 +374,8 @@ def save_checkpoint(
             "smp.save_checkpoint: the model is not partitioned yet (pipeline_parallel_degree > 1 "
             "partitions it at the first smp.step); save after a step"
         )
+    if optimizer is None and state.rank == 0:
+        logger.info("smp.save_checkpoint: no smp.DistributedOptimizer over the model; saving none")
     root = Path(path)
     started = time.perf_counter()
 
@@ -720,11 +729,21 @@ def _load_partial(directory: Path, files: dict, model, optimizer, strict: bool, 
         raise CheckpointError(
             f"loading checkpoint {directory} failed on rank {rank}: {type(error).__name__}: {error}"
         ) from exc
+    from smp.optimizer import MASTER_KEY
+
+    loaded = set(targets) - planner.skipped
+    # Float32 master weights follow the loaded model, except those the checkpoint held.
+    follow = {id(p) for p in model.module.parameters()}
+    for name, p in _owned_optimizer_params(model, optimizer) if optimizer is not None else ():
+        if f"optim/{name}/{MASTER_KEY}" in loaded:
+            follow.discard(id(optimizer.model_parameter(p)))
+    for each in state.optimizers:
+        each._refresh_masters(follow)
     if optimizer is None:
         return
-    loaded = set(targets) - planner.skipped
     for name, p in _owned_optimizer_params(model, optimizer):
-        if not any(k.startswith(f"optim/{name}/") for k in loaded):
+        saved = [k for k in loaded if k.startswith(f"optim/{name}/")]
+        if not [k for k in saved if k != f"optim/{name}/{MASTER_KEY}"]:
             optimizer.state.pop(p, None)  # no state saved for it: as a fresh optimizer has
     groups = targets.get("optim/param_groups")
     if isinstance(groups, list):

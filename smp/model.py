@@ -278,9 +278,11 @@ class DistributedModel(nn.Module):
             return self._load_partial(state_dict, strict, assign)
         state_dict = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
         if self._runtime is None:
-            return self.module.load_state_dict(
+            result = self.module.load_state_dict(
                 self._shard_tp(state_dict), strict=strict, assign=assign
             )
+            self._refresh_masters()
+            return result
         mine = self._shard_tp({k: v for k, v in state_dict.items() if self._owns(k)})
         expected = set(self._local_state())
         if strict:
@@ -290,7 +292,16 @@ class DistributedModel(nn.Module):
                 raise ValueError(
                     f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unknown[:5]}"
                 )
-        return self.module.load_state_dict(mine, strict=False, assign=assign)
+        result = self.module.load_state_dict(mine, strict=False, assign=assign)
+        self._refresh_masters()
+        return result
+
+    def _refresh_masters(self) -> None:
+        """Float32 master weights follow a state loaded into this model's low-precision
+        parameters (an optimizer's ``load_state_dict`` afterwards brings its own back)."""
+        mine = {id(p) for p in self.module.parameters()}
+        for optimizer in get_state().optimizers:
+            optimizer._refresh_masters(mine)
 
     def _load_partial(self, state_dict, strict: bool, assign: bool):
         mine = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
@@ -309,7 +320,9 @@ class DistributedModel(nn.Module):
                 f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}, other shapes "
                 f"{wrong[:5]}. Save state_dict() (full) to load on another layout."
             )
-        return self.module.load_state_dict(mine, strict=False, assign=assign)
+        result = self.module.load_state_dict(mine, strict=False, assign=assign)
+        self._refresh_masters()
+        return result
 
     def cpu(self) -> DistributedModel:
         """Gathers the parameters and buffers of every pipeline stage onto this rank and moves
@@ -609,6 +622,8 @@ class DistributedModel(nn.Module):
             for name, tensor in (*self.module.named_parameters(), *self.module.named_buffers()):
                 if not self._owns(name):
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        for optimizer in get_state().optimizers:  # float32 master weights of released ones
+            optimizer._release_masters()
 
     def _run_traced(self, run_first_microbatch: Callable[[], Any]) -> None:
         self._tracing = True

@@ -26,6 +26,7 @@ logger = logging.getLogger("smp")
 
 _classes: dict[type, type] = {}
 SCALER_KEY = "smp_loss_scaler"  # the fp16 loss scale's state, in the optimizer's state dicts
+MASTER_KEY = "smp_master"  # a float32 master weight, in its parameter's state-dict entry
 
 
 class LossScaler:
@@ -142,6 +143,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             logger.info("smp.DistributedOptimizer: loss-scale arguments unused (fp16 is off)")
         if not isinstance(optimizer, DistributedOptimizer):
             optimizer.__class__ = _distributed_class(type(optimizer))
+            optimizer._smp_masters = _master_weights(optimizer)
+        optimizer._smp_synced = False  # this step's gradients copied to the master weights
         optimizer._smp_scaler = None
         optimizer._smp_unscaled = None  # this step's overflow, once unscaled (clip_grad_norm_)
         if state.config.fp16:
@@ -170,9 +173,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer.step() must be called after the @smp.step function returns, not "
                 "inside it"
             )
+        self._sync_master_grads()
+        self._smp_synced = False
         scaler = getattr(self, "_smp_scaler", None)
         if scaler is None:
-            return super().step(closure)
+            return self._step_and_copy_back(closure)
         overflow = self._unscale()
         self._smp_unscaled = None
         before = scaler.scale
@@ -187,7 +192,61 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     scaler.scale,
                 )
             return None
-        return super().step(closure)
+        return self._step_and_copy_back(closure)
+
+    # ---- float32 master weights of a low-precision model ------------------------------------
+
+    def _step_and_copy_back(self, closure):
+        result = super().step(closure)
+        masters = getattr(self, "_smp_masters", None)
+        if masters:
+            with torch.no_grad():
+                for master, param in masters.values():
+                    if param.numel() > 0:
+                        param.copy_(master)
+        return result
+
+    def _sync_master_grads(self) -> None:
+        """Gives each float32 master weight its model parameter's gradient, in float32 (once per
+        step: clipping and unscaling then work on these)."""
+        masters = getattr(self, "_smp_masters", None)
+        if not masters or self._smp_synced:
+            return
+        for master, param in masters.values():
+            master.grad = None if param.grad is None else param.grad.detach().float()
+        self._smp_synced = True
+
+    def _release_masters(self) -> None:
+        """Frees the master weights of parameters another pipeline stage owns (their model
+        parameters were released by the partition)."""
+        for master, param in getattr(self, "_smp_masters", {}).values():
+            if param.numel() == 0 and master.numel() > 0:
+                master.data = torch.empty(0, dtype=master.dtype, device=master.device)
+                self.state.pop(master, None)
+
+    def _refresh_masters(self, params=None) -> None:
+        """Copies model parameters into their master weights (after a model state was loaded
+        without them)."""
+        with torch.no_grad():
+            for master, param in getattr(self, "_smp_masters", {}).values():
+                if param.numel() > 0 and (params is None or id(param) in params):
+                    master.copy_(param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._smp_synced = False
+        for _, param in getattr(self, "_smp_masters", {}).values():
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
+
+    def model_parameter(self, param: torch.Tensor) -> torch.Tensor:
+        """The model's parameter behind an optimizer parameter (itself, or the parameter a
+        float32 master weight stands for)."""
+        entry = getattr(self, "_smp_masters", {}).get(id(param))
+        return param if entry is None else entry[1]
 
     @property
     def loss_scale(self) -> float:
@@ -200,6 +259,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         found an inf or NaN among its gradients (one all-reduce over the world)."""
         if self._smp_unscaled is not None:
             return self._smp_unscaled
+        self._sync_master_grads()
         state = get_state()
         inverse = 1.0 / self._smp_scaler.scale
         bad = torch.zeros(1, dtype=torch.float32, device=state.device)
@@ -219,8 +279,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state: its stage's parameters, its tensor-parallel shards, and
         v1's marker ``"_smp_is_partial": True`` (``load_state_dict`` takes it back on the same
-        layout). Under fp16 both state dicts also hold the loss scale (``SCALER_KEY``)."""
-        return {**super().state_dict(), **self._scaler_state(), PARTIAL_KEY: True}
+        layout). Under fp16 both state dicts also hold the loss scale (``SCALER_KEY``); float32
+        master weights of a low-precision model are their parameters' ``MASTER_KEY`` entries."""
+        packed = self._with_masters(super().state_dict())
+        return {**packed, **self._scaler_state(), PARTIAL_KEY: True}
+
+    def _with_masters(self, packed: dict[str, Any]) -> dict[str, Any]:
+        """A packed state with each float32 master weight as its parameter's ``MASTER_KEY``
+        entry (torch's state dict holds state, not parameters)."""
+        masters = getattr(self, "_smp_masters", None)
+        if not masters:
+            return packed
+        entries = dict(packed["state"])
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, p in enumerate(params):
+            if id(p) in masters and p.numel() > 0:
+                entries[index] = {**entries.get(index, {}), MASTER_KEY: p.detach()}
+        return {**packed, "state": entries}
+
+    def _load_masters(self, entries: dict) -> dict:
+        """Copies ``MASTER_KEY`` entries into the master weights; the entries without them."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        out = {}
+        for index, entry in entries.items():
+            entry = dict(entry)
+            value = entry.pop(MASTER_KEY, None)
+            if value is not None:
+                with torch.no_grad():
+                    params[int(index)].copy_(value)
+            if entry:
+                out[index] = entry
+        return out
 
     def _scaler_state(self) -> dict[str, Any]:
         scaler = getattr(self, "_smp_scaler", None)
@@ -236,7 +325,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The full optimizer state, as one process training the whole model would hold it:
         every stage's entries, tensor-parallel shards joined to full shapes. A collective over
         the pipeline and tensor-parallel groups: every rank must call it."""
-        local = super().state_dict()
+        local = self._with_masters(super().state_dict())
         state = get_state()
         params = [p for group in self.param_groups for p in group["params"]]
         entries = _unshard(local["state"], params, state)
@@ -258,12 +347,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._load_scaler_state(state_dict)
         if state_dict.get(PARTIAL_KEY, False):
             local = {k: v for k, v in state_dict.items() if k not in (PARTIAL_KEY, SCALER_KEY)}
+            local["state"] = self._load_masters(local["state"])
             return super().load_state_dict(local)
         state = get_state()
         params = [p for group in self.param_groups for p in group["params"]]
         owned = {i for i, p in enumerate(params) if p.numel() > 0}
         entries = {i: e for i, e in state_dict["state"].items() if int(i) in owned}
-        entries = _shard(entries, params, state)
+        entries = self._load_masters(_shard(entries, params, state))
         super().load_state_dict({"state": entries, "param_groups": state_dict["param_groups"]})
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -283,6 +373,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm!r}")
+        self._sync_master_grads()
         if getattr(self, "_smp_scaler", None) is not None and self._unscale():
             return torch.tensor(float("inf"))  # an overflow: step() skips this step anyway
         state = get_state()
@@ -316,6 +407,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for g in all_grads:
                 g.detach().mul_(coefficient.to(g.dtype))
         return norm
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _master_weights(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.Tensor, Any]]:
+    """Replaces every float16 / bfloat16 parameter in the optimizer's groups with a float32
+    master copy (a leaf carrying the parameter's smp attributes), which the optimizer updates;
+    ``step()`` copies it back into the parameter. Returns {id(master): (master, parameter)}."""
+    masters: dict[int, tuple[torch.Tensor, Any]] = {}
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if p.dtype not in _LOW_PRECISION:
+                params.append(p)
+                continue
+            master = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+            for attr in ("_smp_tp_split", "_smp_tp_reduce"):
+                if hasattr(p, attr):
+                    setattr(master, attr, getattr(p, attr))
+            saved = optimizer.state.pop(p, None)
+            if saved:
+                optimizer.state[master] = {
+                    k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                    for k, v in saved.items()
+                }
+            masters[id(master)] = (master, p)
+            params.append(master)
+        group["params"] = params
+    return masters
 
 
 def _cpu(value: Any) -> Any:

@@ -262,7 +262,9 @@ def model_creation(
     tensor_parallelism: bool = False, dtype: torch.dtype | None = None, **tp_config: Any
 ) -> Iterator[None]:
     """Creates a model the way smp wants it: marked for tensor parallelism if asked, with
-    ``dtype`` as the default dtype. (Delayed parameter initialisation is not available yet.)"""
+    ``dtype`` as the default dtype (a bfloat16 / float16 model then trains with float32 master
+    weights in ``smp.DistributedOptimizer``). (Delayed parameter initialisation is not
+    available yet.)"""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"smp.model_creation: dtype must be a torch.dtype, got {dtype!r}")
     previous = torch.get_default_dtype()
