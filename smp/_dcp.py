@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 from torch.futures import Future
 
-from smp.checkpoints import _BLOCK, _digest
+from smp.checkpoints import _crc, _digest
 
 # ---- tensor-parallel shards as DCP chunks --------------------------------------------------------
 
@@ -140,10 +140,15 @@ class _LoadPlanner(DefaultLoadPlanner):
         obj = self.state_dict[read_item.dest_index.fqn]
         if isinstance(obj, _Chunks):
             piece = obj.pieces[read_item.dest_index.index]
-            for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-                piece = piece.narrow(dim, offset, length)
-            return piece
+            return _narrow(piece, read_item.dest_offsets, read_item.lengths)
         return super().resolve_tensor(read_item)
+
+
+def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    """The box of ``tensor`` at ``offsets`` with ``lengths`` (a view)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        tensor = tensor.narrow(dim, offset, length)
+    return tensor
 
 
 def _full_size(obj: Any) -> torch.Size | None:
@@ -179,8 +184,6 @@ class _Writer(dcp.FileSystemWriter):
 def _range_digest(path: Path, items: list[tuple[int, int]]) -> dict[str, Any]:
     """``{"bytes": size, "ranges": [[offset, length, crc32c], ...]}`` over the whole file: the
     items' ranges, and any bytes between or after them as ranges of their own."""
-    from smp import _C
-
     ranges = []
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
@@ -189,22 +192,9 @@ def _range_digest(path: Path, items: list[tuple[int, int]]) -> dict[str, Any]:
             for start, count in ((position, offset - position), (offset, length)):
                 if count > 0:
                     f.seek(start)
-                    ranges.append([start, count, _crc_of(f, count, _C)])
+                    ranges.append([start, count, _crc(f, count)])
             position = max(position, offset + length)
     return {"bytes": size, "ranges": ranges}
-
-
-def _crc_of(f, count: int, _C) -> int:
-    crc, left = 0, count
-    buffer = bytearray(min(count, _BLOCK))
-    view = memoryview(buffer)
-    while left > 0:
-        n = f.readinto(view[: min(left, len(buffer))])
-        if not n:
-            break
-        crc = _C.crc32c(view[:n], crc)
-        left -= n
-    return crc
 
 
 class _Reader(dcp.FileSystemReader):
@@ -258,8 +248,7 @@ class _Reader(dcp.FileSystemReader):
             planner.load_bytes(item, io.BytesIO(stream.read(-1)))
             return
         tensor = torch.load(stream, map_location="cpu", weights_only=True)
-        for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-            tensor = tensor.narrow(dim, offset, length)
+        tensor = _narrow(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
             raise AssertionError(f"{item.storage_index}: {target.size()} vs {tensor.size()}")

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -52,17 +53,29 @@ def save(
         OSError: the directory is missing or not writable (the previous file is untouched).
     """
     path = Path(partial_path(_check_name(f, "save")) if partial else _check_name(f, "save"))
+    write_atomically(
+        path,
+        lambda out: torch.save(
+            obj, out, pickle_module=pickle_module, pickle_protocol=pickle_protocol
+        ),
+    )
+    return str(path)
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Calls ``write(file)`` on a temporary file beside ``path``, flushes it to disk and renames
+    it over ``path``: a process killed midway leaves the previous ``path`` whole (and at most
+    the temporary file, which the next write of that name replaces); a failure removes it."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as out:
-            torch.save(obj, out, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+            write(out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return str(path)
 
 
 def load(

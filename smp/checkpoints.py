@@ -16,20 +16,20 @@ A checkpoint is a directory ``path/tag``:
 
 Both also hold ``user_content.pt`` (rank 0's ``user_content``), ``rng.pt`` (every rank's
 random state: torch's, CUDA's, python's and the TP generators') and ``smp_checkpoint.json``,
-the manifest: the layout that saved it and every file's size and CRC-32C, written last.
+the manifest: the layout that saved it and every file's size and CRC-32C (per item range for
+DCP's data files), written last.
 
 Fault safety: a save writes into ``path/.<tag>.tmp-<id>``; once every rank's files are on
 disk (fsync'd) rank 0 writes the manifest, renames the directory to ``path/tag`` (an older
 ``path/tag`` is moved aside first and removed only after) and then replaces ``path/newest``
 atomically. A process killed at any point leaves the previous checkpoints and ``newest``
-whole; the next save removes the leftovers. Loading checks the manifest's sizes and checksums
-before reading anything (every rank checks its share of the files) and fails on every rank
-with :class:`CheckpointError` naming the file and what is wrong.
+whole; the next save removes the leftovers. Loading checks the manifest, every file's size and
+the small files' checksums first, and each data item's checksum as DCP reads it; a problem
+fails on every rank with :class:`CheckpointError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from smp.checkpoint_io import write_atomically
 from smp.state import get_state
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "CheckpointError"]
@@ -166,44 +167,45 @@ def _materialize_optimizer_state(model, optimizer) -> None:
 # ---- random state --------------------------------------------------------------------------------
 
 
-def _rng_state(state) -> dict[str, Any]:
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    generators = getattr(state, "tp_generators", None)
-    if generators is not None:
-        out["tp"] = {k: g.get_state() for k, g in generators.items()}
-    return out
+def _rng_state() -> dict[str, Any]:
+    """This rank's random streams (smp.nn.functional.random_streams) and Python's."""
+    from smp.nn.functional import random_streams
+
+    return {**random_streams(), "python": random.getstate()}
 
 
-def _set_rng_state(state, saved: dict[str, Any]) -> None:
-    torch.set_rng_state(saved["torch"])
+def _set_rng_state(saved: dict[str, Any]) -> None:
+    from smp.nn.functional import set_random_streams
+
+    set_random_streams(saved)
     random.setstate(saved["python"])
-    if "cuda" in saved and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
-    if "tp" in saved:
-        from smp.nn.functional import tp_rng
-
-        for kind, value in saved["tp"].items():
-            tp_rng(kind).set_state(value)
 
 
 # ---- files ---------------------------------------------------------------------------------------
 
 
 def _digest(path: Path) -> dict[str, int]:
-    """A file's size and CRC-32C (smp's C++ core: the CPU's CRC instruction where it has one;
-    the file is read in blocks, the checksum runs without the GIL)."""
+    """A file's size and CRC-32C."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        return {"bytes": size, "crc32c": _crc(f, size)}
+
+
+def _crc(f, count: int) -> int:
+    """The CRC-32C of the next ``count`` bytes of ``f`` (smp's C++ core: the CPU's CRC
+    instruction where it has one; read in blocks, the checksum runs without the GIL)."""
     from smp import _C
 
-    crc, size = 0, 0
-    buffer = bytearray(_BLOCK)
+    crc, left = 0, count
+    buffer = bytearray(min(count, _BLOCK))
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            crc = _C.crc32c(view[:n], crc)
-            size += n
-    return {"bytes": size, "crc32c": crc}
+    while left > 0:
+        n = f.readinto(view[: min(left, len(buffer))])
+        if not n:
+            break
+        crc = _C.crc32c(view[:n], crc)
+        left -= n
+    return crc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -214,18 +216,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:
-    """Writes ``path`` through a temporary name, fsync'd, then renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _torch_save(path: Path, obj: Any) -> dict[str, int]:
-    _write_file(path, lambda f: torch.save(obj, f))
+    write_atomically(path, lambda f: torch.save(obj, f))
     return _digest(path)
 
 
@@ -273,18 +265,16 @@ def _from_rank0(state, make: Callable[[], Any], what: str) -> Any:
     return value
 
 
-def _the(objects, given, what: str, required: bool):
+def _the_model(given, state):
+    """``given``, else the newest DistributedModel."""
     if given is not None:
         return given
-    alive = list(objects)
-    if alive:
-        return alive[-1]
-    if required:
+    models = list(state.models)
+    if not models:
         raise ValueError(
-            f"smp checkpoints: no smp.Distributed{what} exists; create one (or pass "
-            f"{what.lower()}=)"
+            "smp checkpoints: no smp.DistributedModel exists; create one (or pass model=)"
         )
-    return None
+    return models[-1]
 
 
 def _optimizer_of(model, state):
@@ -367,7 +357,7 @@ def save_checkpoint(
             "smp.save_checkpoint: num_kept_partial_checkpoints must be an int >= 1 or None, got "
             f"{num_kept_partial_checkpoints!r}"
         )
-    model = _the(state.models, model, "Model", required=True)
+    model = _the_model(model, state)
     optimizer = optimizer if optimizer is not None else _optimizer_of(model, state)
     if not model.partitioned:
         raise ValueError(
@@ -394,7 +384,7 @@ def save_checkpoint(
         else:
             files = _save_full(tmp, model, optimizer, state)
         rngs: list[Any] = [None] * state.world_size
-        dist.all_gather_object(rngs, _rng_state(state), group=state.groups["world"])
+        dist.all_gather_object(rngs, _rng_state(), group=state.groups["world"])
         if state.rank == 0:
             files["rng.pt"] = _torch_save(tmp / "rng.pt", rngs)
             if user_content is not None:
@@ -412,7 +402,7 @@ def save_checkpoint(
             "saved_at": time.time(),
             "files": dict(sorted(files.items())),
         }
-        _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        write_atomically(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         _fsync_dir(tmp)
         final = root / tag
         aside = None
@@ -421,7 +411,7 @@ def save_checkpoint(
             os.rename(final, aside)
         os.rename(tmp, final)
         _fsync_dir(root)
-        _write_file(root / NEWEST, lambda f: f.write(tag.encode()))
+        write_atomically(root / NEWEST, lambda f: f.write(tag.encode()))
         _fsync_dir(root)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
@@ -574,7 +564,7 @@ def resume_from_checkpoint(
     user_content = None
     if "user_content.pt" in manifest["files"]:
         user_content = torch.load(directory / "user_content.pt", weights_only=False)
-    model = _the(state.models, None, "Model", required=True)
+    model = _the_model(None, state)
     optimizer = _optimizer_of(model, state) if load_optimizer else None
     same_layout = manifest["layout"] == _layout(state)
 
@@ -585,7 +575,7 @@ def resume_from_checkpoint(
             _load_full(directory, manifest, model, optimizer, strict, translate_function)
         if same_layout:
             rngs = torch.load(directory / "rng.pt", weights_only=False)
-            _set_rng_state(state, rngs[state.rank])
+            _set_rng_state(rngs[state.rank])
         elif state.rank == 0:
             logger.info(
                 "smp: %s was saved at layout %s, this job is %s: model and optimizer state "
@@ -733,12 +723,11 @@ def _load_partial(directory: Path, files: dict, model, optimizer, strict: bool, 
 
     loaded = set(targets) - planner.skipped
     # Float32 master weights follow the loaded model, except those the checkpoint held.
-    follow = {id(p) for p in model.module.parameters()}
+    held = set()
     for name, p in _owned_optimizer_params(model, optimizer) if optimizer is not None else ():
         if f"optim/{name}/{MASTER_KEY}" in loaded:
-            follow.discard(id(optimizer.model_parameter(p)))
-    for each in state.optimizers:
-        each._refresh_masters(follow)
+            held.add(id(optimizer.model_parameter(p)))
+    model._refresh_masters(except_for=held)
     if optimizer is None:
         return
     for name, p in _owned_optimizer_params(model, optimizer):

@@ -296,10 +296,11 @@ class DistributedModel(nn.Module):
         self._refresh_masters()
         return result
 
-    def _refresh_masters(self) -> None:
+    def _refresh_masters(self, except_for: frozenset[int] | set[int] = frozenset()) -> None:
         """Float32 master weights follow a state loaded into this model's low-precision
-        parameters (an optimizer's ``load_state_dict`` afterwards brings its own back)."""
-        mine = {id(p) for p in self.module.parameters()}
+        parameters (an optimizer's ``load_state_dict`` afterwards brings its own back), except
+        those of the parameters (ids) in ``except_for``."""
+        mine = {id(p) for p in self.module.parameters()} - except_for
         for optimizer in get_state().optimizers:
             optimizer._refresh_masters(mine)
 

@@ -249,26 +249,14 @@ def _preserved_state(module: nn.Module) -> Iterator[None]:
     The TP generators too: rank 0 traces alone, and a draw there that its TP peers do not make
     would give the group different "replicated" dropout masks from then on (and replicated
     parameters that drift apart)."""
-    from smp.state import get_state, is_initialized
+    from smp.nn.functional import random_streams, set_random_streams
 
-    state = get_state() if is_initialized() else None
-    generators = getattr(state, "tp_generators", None)
-    tp_rng = None if generators is None else {k: g.get_state() for k, g in generators.items()}
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    streams = random_streams()
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         yield
     finally:
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        if state is not None:
-            if tp_rng is None:
-                state.tp_generators = None  # created while tracing: start afresh, as on peers
-            else:
-                for kind, saved in tp_rng.items():
-                    state.tp_generators[kind].set_state(saved)
+        set_random_streams(streams)
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)

@@ -179,10 +179,9 @@ class _Rewind:
 
     def __init__(self, state: State, models: list):
         self.models = models
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        generators = getattr(state, "tp_generators", None) or {}
-        self.tp = [(g, g.get_state()) for g in generators.values()]
+        from smp.nn.functional import random_streams
+
+        self.streams = random_streams()
         # (model, owning module, name, qualified name, tensor, version, copy or None)
         self.buffers: list[tuple] = []
         self.params: list[tuple[str, torch.Tensor, int]] = []
@@ -227,11 +226,9 @@ class _Rewind:
         return None
 
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        for generator, generator_state in self.tp:
-            generator.set_state(generator_state)
+        from smp.nn.functional import set_random_streams
+
+        set_random_streams(self.streams)
         for _, module, name, _, buf, _, saved in self.buffers:
             if saved is not None:  # always: a norm's statistics change without a version bump
                 with torch.no_grad():

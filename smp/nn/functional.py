@@ -39,6 +39,8 @@ __all__ = [
     "shard_state",
     "tp_dropout",
     "tp_rng",
+    "random_streams",
+    "set_random_streams",
     "vocab_parallel_cross_entropy",
 ]
 
@@ -210,6 +212,35 @@ def tp_rng(kind: str) -> torch.Generator:
             ),
         }
     return generators[kind]
+
+
+def random_streams() -> dict:
+    """Every random stream this rank's steps draw from: torch's CPU generator, the CUDA ones
+    (once CUDA is initialised) and the TP generators (None until first drawn from)."""
+    from smp.state import get_state, is_initialized
+
+    generators = getattr(get_state(), "tp_generators", None) if is_initialized() else None
+    return {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        "tp": None if generators is None else {k: g.get_state() for k, g in generators.items()},
+    }
+
+
+def set_random_streams(saved: dict) -> None:
+    """Puts back what :func:`random_streams` took. TP generators that did not exist then are
+    dropped, so they start afresh from their seed when next used, as they would have."""
+    from smp.state import get_state, is_initialized
+
+    torch.set_rng_state(saved["cpu"])
+    if saved["cuda"] is not None:
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    if is_initialized():
+        if saved["tp"] is None:
+            get_state().tp_generators = None
+        else:
+            for kind, value in saved["tp"].items():
+                tp_rng(kind).set_state(value)
 
 
 def tp_dropout(x: torch.Tensor, p: float, training: bool, kind: str) -> torch.Tensor:
