@@ -18,7 +18,7 @@ import contextlib as _contextlib
 
 from smp import amp, comm, nn, optimizers
 from smp._unbuilt import fail as _fail
-from smp._unbuilt import function as _unbuilt_function
+from smp.activations import checkpoint, checkpoint_sequential, set_activation_checkpointing
 from smp.checkpoint_io import load, save
 from smp.checkpoints import CheckpointError, resume_from_checkpoint, save_checkpoint
 from smp.comm import *  # noqa: F403 - rank helpers, groups and object collectives
@@ -40,13 +40,6 @@ from smp.tensor_parallel import (
 from smp.timeline import Timeline, last_step_timeline
 
 __version__ = "0.1.0"
-
-# Activation checkpointing (SMP v1's API): importable, not built yet.
-set_activation_checkpointing = _unbuilt_function(
-    "smp.set_activation_checkpointing", "activation checkpointing"
-)
-checkpoint = _unbuilt_function("smp.checkpoint", "activation checkpointing")
-checkpoint_sequential = _unbuilt_function("smp.checkpoint_sequential", "activation checkpointing")
 
 
 @_contextlib.contextmanager

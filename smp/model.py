@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import _C
+from smp import _C, offload
 from smp.state import get_state
 
 __all__ = ["DistributedModel", "PARTIAL_KEY"]
@@ -40,7 +40,6 @@ logger = logging.getLogger("smp")
 
 _UNSUPPORTED_FLAGS = (
     "shard_optimizer_state",
-    "offload_activations",
     "delayed_parameter_initialization",
 )
 
@@ -205,6 +204,7 @@ class DistributedModel(nn.Module):
         if self._runtime is not None:
             self._runtime.backward(tensors, grad_tensors)
         else:
+            offload.forward_done(state.microbatch)  # offload_activations: this forward is over
             torch.autograd.backward(tensors, grad_tensors)
         self._step_backward_count += 1
 

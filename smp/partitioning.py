@@ -351,6 +351,14 @@ class _UnionFind:
             self.parent[ra] = rb
 
 
+def _atomic(module: nn.Module) -> bool:
+    """Whether ``module``'s forward must run whole on one stage: a tensor-parallel region
+    (``_smp_atomic``) or a checkpointed module (its recompute runs in its owner's backward)."""
+    from smp import activations
+
+    return bool(getattr(module, "_smp_atomic", False)) or activations.is_checkpointed(module)
+
+
 def _is_chain(module: nn.Module, children: list[nn.Module]) -> bool:
     """A chain of similar blocks: a ModuleList/Sequential, or three or more children of one type
     with equal parameter counts."""
@@ -418,8 +426,8 @@ def _build_nodes(
     order[""] = -1
 
     # Never-called subtrees fold into their nearest called ancestor, and everything inside an
-    # atomic module (``_smp_atomic``: a tensor-parallel region, whose forward must run whole on
-    # one stage) into that module.
+    # atomic module (a tensor-parallel region, or a checkpointed module: their forward must
+    # run whole on one stage) into that module.
     home: dict[str, str] = {}
     inside_atomic: dict[str, bool] = {}
     for path in paths:
@@ -430,8 +438,8 @@ def _build_nodes(
             home[path] = home[parent]
         else:
             home[path] = path
-        inside_atomic[path] = (parent is not None and inside_atomic[parent]) or bool(
-            getattr(modules[path], "_smp_atomic", False)
+        inside_atomic[path] = (parent is not None and inside_atomic[parent]) or _atomic(
+            modules[path]
         )
 
     # Shared parameters merge their owners (transitively).
@@ -871,6 +879,13 @@ def build_plan(
                 f"smp: module '{path or '<root>'}' is placed on stage {pin}, but "
                 f"pipeline_parallel_degree is {num_stages}; use a stage in [0, {num_stages})"
             )
+    if num_stages > 1 and _atomic(module):
+        raise ValueError(
+            f"smp: the whole model ({type(module).__name__}) is activation-checkpointed, and "
+            f"a checkpointed module lies whole on one stage, but pipeline_parallel_degree is "
+            f"{num_stages}; checkpoint its layers instead (e.g. "
+            "smp.set_activation_checkpointing on each transformer layer)"
+        )
     nodes, node_of_path = _build_nodes(
         module, traces, use_time, None if auto_partition else default_partition
     )

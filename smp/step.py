@@ -298,6 +298,10 @@ class _StepFunction:
         state = get_state()
         if state.in_step:
             raise RuntimeError("smp.step functions cannot be nested: one step runs at a time")
+        if state.config.offload_activations:
+            from smp import offload
+
+            offload.current().new_step()
         num_mb = state.config.microbatches
         calls = self._split_arguments(args, kwargs, num_mb)  # bad input fails before any work
         models = [a for a in (*args, *kwargs.values()) if isinstance(a, DistributedModel)]

@@ -288,6 +288,15 @@ def is_distributed_parameter(param: torch.Tensor) -> bool:
     return hasattr(param, "_smp_tp_reduce")
 
 
+def carry_checkpointing(old: nn.Module, new: nn.Module) -> None:
+    """Gives ``new`` (the distributed version of ``old``) ``old``'s activation checkpointing."""
+    from smp import activations
+
+    options = activations.options_of(old)
+    if options is not None:
+        activations.set_activation_checkpointing(new, **dataclasses.asdict(options))
+
+
 def distribute_marked_modules(root: nn.Module, group: Any) -> tuple[nn.Module, list[str]]:
     """Replaces every marked, registered module of ``root`` by its distributed version.
 
@@ -313,6 +322,7 @@ def distribute_marked_modules(root: nn.Module, group: Any) -> tuple[nn.Module, l
                     )
                 else:
                     replaced.append(path or "<root>")
+                    carry_checkpointing(module, new)
                     return new
         for name, child in list(module.named_children()):
             new_child = visit(child, f"{path}.{name}" if path else name)

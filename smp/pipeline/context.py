@@ -32,6 +32,7 @@ __all__ = ["CallMode", "StepContext"]
 AUTOCAST_DEVICES = ("cpu", "cuda")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DTYPE_BITS = 3  # per device type: 0 = autocast off, else 1 + index into _DTYPES
+_CHECKPOINT_BIT = 3 + _DTYPE_BITS * len(AUTOCAST_DEVICES)  # then preserve_rng
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,18 +43,27 @@ class CallMode:
     inference: bool = False
     autocast: tuple[torch.dtype | None, ...] = (None,) * len(AUTOCAST_DEVICES)  # per device
     cache: bool = True  # autocast's weight-cast cache
+    # smp.checkpoint of a module of another stage: the owner runs the call checkpointed
+    # (with torch's and smp's generators restored for the recompute when preserve_rng).
+    checkpoint: bool = False
+    preserve_rng: bool = True
 
     @classmethod
     def current(cls) -> CallMode:
+        from smp import activations
+
         autocast = tuple(
             torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
             for d in AUTOCAST_DEVICES
         )
+        checkpoint, preserve_rng = activations.requested() or (False, True)
         return cls(
             torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(),
             autocast,
             torch.is_autocast_cache_enabled(),
+            checkpoint,
+            preserve_rng,
         )
 
     def encode(self) -> int:
@@ -67,7 +77,11 @@ class CallMode:
                         f"be carried to another stage; use one of {list(_DTYPES)}"
                     )
                 code |= (1 + _DTYPES.index(dtype)) << (3 + _DTYPE_BITS * i)
-        return code
+        return (
+            code
+            | int(self.checkpoint) << _CHECKPOINT_BIT
+            | int(self.preserve_rng) << (_CHECKPOINT_BIT + 1)
+        )
 
     @classmethod
     def decode(cls, code: int) -> CallMode:
@@ -75,7 +89,14 @@ class CallMode:
         for i in range(len(AUTOCAST_DEVICES)):
             index = (code >> (3 + _DTYPE_BITS * i)) & ((1 << _DTYPE_BITS) - 1)
             autocast.append(_DTYPES[index - 1] if index else None)
-        return cls(bool(code & 1), bool(code & 2), tuple(autocast), bool(code & 4))
+        return cls(
+            bool(code & 1),
+            bool(code & 2),
+            tuple(autocast),
+            bool(code & 4),
+            bool(code >> _CHECKPOINT_BIT & 1),
+            bool(code >> (_CHECKPOINT_BIT + 1) & 1),
+        )
 
 
 def _current_cuda_device() -> int | None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp import _C, tree
+from smp import _C, activations, offload, tree
 from smp.pipeline import messages, segments
 from smp.pipeline.cache import LRU
 from smp.pipeline.context import CallMode, StepContext
@@ -191,7 +191,9 @@ def _call_and_note_changes(module: nn.Module, args: tuple, kwargs: dict, values:
     back unchanged travels as a reference to the caller's own (``messages.Sent``)."""
     watched = [*enumerate(args), *kwargs.items()]
     before = [(where, v, messages.fingerprint(v)) for where, v in watched]
-    output = module(*args, **kwargs)
+    output = activations.call(
+        module, args, kwargs, (worker.mode.checkpoint, worker.mode.preserve_rng)
+    )
     changed = [(w, v) for w, v, fp in before if fp is not None and messages.fingerprint(v) != fp]
     worker.sent_ids = {id(v): i for i, v in enumerate(values) if isinstance(v, torch.Tensor)}
     return output, changed
@@ -1110,6 +1112,7 @@ class PipelineRuntime:
 
     def _reply(self, worker: _Worker) -> None:
         """REPLY of a served call: its forward and every call it made have finished."""
+        offload.forward_done(worker.microbatch)  # offload_activations
         caller, call_id = worker.served
         sent = worker.sent_ids
 
@@ -1353,6 +1356,7 @@ class PipelineRuntime:
                 "smp pipeline: model.backward may be called once per microbatch when "
                 "pipeline_parallel_degree > 1; add the losses and call it once"
             )
+        offload.forward_done(worker.microbatch)  # offload_activations
         roots = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         roots, grad_tensors = _resolve_tree((roots, grad_tensors))
         if grad_tensors is None:

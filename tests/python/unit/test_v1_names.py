@@ -61,8 +61,6 @@ def test_the_v1_name_exists(path):
         (lambda: smp.nn.FlashAttentionLayer(), "flash-attention"),
         (lambda: smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2({}), "GPT-2 keys"),
         (lambda: smp.delay_param_initialization().__enter__(), "delayed parameter"),
-        (lambda: smp.set_activation_checkpointing(torch.nn.Linear(1, 1)), "activation"),
-        (lambda: smp.checkpoint(torch.nn.Linear(1, 1), torch.ones(1)), "activation"),
     ],
 )
 def test_what_is_not_built_fails_when_used_and_says_what(use, words):
