@@ -116,11 +116,22 @@ def _owned_optimizer_params(model, optimizer) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _stateful_params(model, optimizer) -> list[tuple[str, torch.Tensor]]:
+    """Those of :func:`_owned_optimizer_params` whose optimizer state this rank keeps: all of
+    them, except under ``shard_optimizer_state``, where each belongs to one rdp rank."""
+    kept = optimizer._state_kept()
+    owned = _owned_optimizer_params(model, optimizer)
+    return owned if kept is None else [(n, p) for n, p in owned if id(p) in kept]
+
+
 def _optimizer_entries(model, optimizer, state) -> dict[str, Any]:
+    """This rank's optimizer state under checkpoint keys: its parameters' (under
+    ``shard_optimizer_state``, those it owns: each rank writes and loads its shard, and the
+    names are the same whichever rank holds them), the hyperparameters and the loss scale."""
     entries: dict[str, Any] = {}
     from smp.optimizer import MASTER_KEY
 
-    for name, p in _owned_optimizer_params(model, optimizer):
+    for name, p in _stateful_params(model, optimizer):
         for key, value in optimizer.state.get(p, {}).items():
             entries[f"optim/{name}/{key}"] = _entry(value, p, state)
         if p is not optimizer.model_parameter(p):  # a float32 master weight
@@ -137,10 +148,11 @@ def _materialize_optimizer_state(model, optimizer) -> None:
     """Creates the optimizer's state for this rank's parameters if it has none yet (a fresh
     optimizer, before its first step), so that DCP has tensors to load into: one step of the
     optimizer's own algorithm on zero gradients with every learning rate at 0 (the parameters
-    do not change)."""
+    do not change). Under ``shard_optimizer_state`` only for the parameters this rank owns
+    (the others have no gradient in that step, so they get no state)."""
     from smp.optimizer import DistributedOptimizer
 
-    owned = [p for _, p in _owned_optimizer_params(model, optimizer) if p.requires_grad]
+    owned = [p for _, p in _stateful_params(model, optimizer) if p.requires_grad]
     if all(optimizer.state.get(p) for p in owned):
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -525,8 +537,9 @@ def resume_from_checkpoint(
     Args:
         strict: every model key must be in the checkpoint and every checkpoint key in the model.
         load_optimizer: also load the optimizer's state (and the fp16 loss scale).
-        load_sharded_optimizer_state: SMP v1's; optimizer state is never stored sharded by
-            data-parallel rank here, so it changes nothing.
+        load_sharded_optimizer_state: SMP v1's; changes nothing: optimizer state is stored
+            by parameter name whichever rank held it (with ``shard_optimizer_state`` each rank
+            wrote and loads the parameters it owns), so any rdp degree loads it.
         translate_function: for ``partial=False``, applied to the loaded model state dict
             before it is loaded (e.g. a checkpoint written with other keys); smp's own full
             checkpoints hold the model's keys and need none.
@@ -723,8 +736,10 @@ def _load_partial(directory: Path, files: dict, model, optimizer, strict: bool, 
 
     loaded = set(targets) - planner.skipped
     # Float32 master weights follow the loaded model, except those the checkpoint held.
+    # (Under shard_optimizer_state a rank loads only the masters it owns: the others are
+    # overwritten by their owners' broadcast at the next step.)
     held = set()
-    for name, p in _owned_optimizer_params(model, optimizer) if optimizer is not None else ():
+    for name, p in _stateful_params(model, optimizer) if optimizer is not None else ():
         if f"optim/{name}/{MASTER_KEY}" in loaded:
             held.add(id(optimizer.model_parameter(p)))
     model._refresh_masters(except_for=held)

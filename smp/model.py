@@ -38,10 +38,7 @@ PARTIAL_KEY = "_smp_is_partial"  # SMP v1's marker of a rank's partial state dic
 
 logger = logging.getLogger("smp")
 
-_UNSUPPORTED_FLAGS = (
-    "shard_optimizer_state",
-    "delayed_parameter_initialization",
-)
+_UNSUPPORTED_FLAGS = ("delayed_parameter_initialization",)
 
 
 class DistributedModel(nn.Module):
@@ -473,9 +470,21 @@ class DistributedModel(nn.Module):
 
         Every rank of one replica (its pipeline stages and tensor-parallel ranks) must run the
         same number of steps: a replica whose ranks disagree is an error on every rank.
+
+        Raises:
+            NotImplementedError: with ``shard_optimizer_state`` over more than one replica (a
+                replica whose inputs ended would not run the optimizer steps of the parameters
+                it owns, nor their broadcasts).
         """
         if self._join is not None:
             raise RuntimeError("DistributedModel.join() cannot be nested")
+        state = get_state()
+        if state.config.shard_optimizer_state and state.axis_size("rdp") > 1:
+            raise NotImplementedError(
+                "DistributedModel.join() does not work with shard_optimizer_state yet: a "
+                "replica whose inputs ended would not take part in the optimizer steps of the "
+                "parameters it owns; give every replica the same number of steps instead"
+            )
         self._join = _Join()
         finished = False
         try:

@@ -6,27 +6,53 @@ swapped for a subclass of both its own class and :class:`DistributedOptimizer`: 
 type take it. Gradients reaching ``step()`` are already reduced by ``smp.step``; the overrides
 add ``clip_grad_norm_`` over the global gradient norm and make ``state_dict()`` the full state
 (gathered over the pipeline and tensor-parallel groups) with ``local_state_dict()`` this rank's.
+
+With ``shard_optimizer_state`` (ZeRO-1) every parameter of a stage belongs to one rank of the
+group holding the same parameters (rdp, :func:`balance_owners`): only its owner keeps its
+optimizer state and updates it, then broadcasts the new values to the group.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from smp.model import PARTIAL_KEY
 from smp.state import get_state
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "balance_owners"]
 
 logger = logging.getLogger("smp")
 
 _classes: dict[type, type] = {}
 SCALER_KEY = "smp_loss_scaler"  # the fp16 loss scale's state, in the optimizer's state dicts
 MASTER_KEY = "smp_master"  # a float32 master weight, in its parameter's state-dict entry
+# In a local_state_dict() under shard_optimizer_state: the parameter indices whose state it holds.
+SHARD_KEY = "smp_shard_owned"
+_DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def balance_owners(sizes: Sequence[int], ranks: int) -> list[int]:
+    """The owner (0 .. ranks - 1) of each item of ``sizes``: largest item first (ties: the lower
+    index first), each to the least loaded rank so far (ties: the lower rank). Deterministic, so
+    every rank computing it from the same sizes gets the same answer. The largest load is at
+    most the ideal share ``sum / ranks`` plus one item."""
+    if ranks < 1:
+        raise ValueError(f"balance_owners: ranks must be >= 1, got {ranks}")
+    owners = [0] * len(sizes)
+    loads = [(0, rank) for rank in range(ranks)]  # a heap of (load, rank)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[index] = rank
+        heapq.heappush(loads, (load + sizes[index], rank))
+    return owners
 
 
 class LossScaler:
@@ -194,10 +220,140 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return None
         return self._step_and_copy_back(closure)
 
+    # ---- shard_optimizer_state (ZeRO-1) ---------------------------------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _shard_owners(self) -> list[int | None] | None:
+        """With ``shard_optimizer_state`` over more than one rdp rank: the rdp rank that owns
+        each optimizer parameter (by its index in the groups; None for a parameter another
+        pipeline stage holds), else None. Computed from the parameters' sizes alone, the same
+        on every rank of the rdp group and of the TP group (a TP shard has the same size on
+        every TP rank); recomputed when the live parameters change (a partition releases
+        those of other stages)."""
+        state = get_state()
+        if not state.config.shard_optimizer_state or state.axis_size("rdp") == 1:
+            return None
+        params = self._params()
+        key = tuple(p.numel() for p in params)
+        cached = getattr(self, "_smp_shard", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        live = [i for i, n in enumerate(key) if n > 0]
+        picks = balance_owners([key[i] for i in live], state.axis_size("rdp"))
+        owners: list[int | None] = [None] * len(params)
+        for index, rank in zip(live, picks):
+            owners[index] = rank
+        self._smp_shard = (key, owners)
+        return owners
+
+    def _state_kept(self) -> set[int] | None:
+        """The ids of the parameters whose optimizer state this rank keeps and updates: None
+        (all of them) without ``shard_optimizer_state``, else those it owns."""
+        owners = self._shard_owners()
+        if owners is None:
+            return None
+        params = self._params()
+        return {id(params[i]) for i in self._owned_indices(owners)}
+
+    def _owned_indices(self, owners: list[int | None]) -> list[int]:
+        rank = get_state().axis_rank("rdp")
+        return [i for i, owner in enumerate(owners) if owner == rank]
+
+    def _model(self):
+        """The newest DistributedModel holding this optimizer's parameters, or None."""
+        mine = {id(self.model_parameter(p)) for p in self._params()}
+        for model in reversed(list(get_state().models)):
+            if any(id(p) in mine for p in model.parameters()):
+                return model
+        return None
+
+    def _partitioned(self) -> bool:
+        model = self._model()
+        return model is None or model.partitioned
+
+    def _drop_unowned_state(self, owners: list[int | None]) -> None:
+        """Frees the state of every parameter this rank does not own (e.g. a full state loaded
+        before the partition decided the owners)."""
+        owned = set(self._owned_indices(owners))
+        for index, p in enumerate(self._params()):
+            if index not in owned:
+                self.state.pop(p, None)
+
+    def _sharded_step(self, closure, owners: list[int | None]):
+        """The optimizer's own step on the parameters this rank owns (the others' gradients
+        are hidden: torch optimizers skip a parameter without one and create no state for it),
+        then every owner's new values broadcast over the rdp group."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._drop_unowned_state(owners)
+        owned = set(self._owned_indices(owners))
+        hidden = []
+        for index, p in enumerate(self._params()):
+            if index not in owned and p.grad is not None:
+                hidden.append((p, p.grad))
+                p.grad = None
+        try:
+            super().step()
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+        self._broadcast_owned(owners)
+        return loss
+
+    def _broadcast_owned(self, owners: list[int | None]) -> None:
+        """Every owner's trainable parameters to the rest of the rdp group: per owner (in rdp
+        order) and per dtype, flat buffers of at most the model's ``bucket_cap_mb``; every rank
+        issues the same broadcasts in the same order."""
+        state = get_state()
+        group = state.groups["rdp"]
+        me = state.axis_rank("rdp")
+        model = self._model()
+        cap = model.bucket_bytes if model is not None else _DEFAULT_BUCKET_BYTES
+        params = self._params()
+        with torch.no_grad():
+            for owner in range(state.axis_size("rdp")):
+                src = state.world_rank_of("rdp", owner)
+                kinds: dict[tuple, list[torch.Tensor]] = {}
+                for index, p in enumerate(params):
+                    if owners[index] == owner and p.requires_grad:
+                        kinds.setdefault((p.dtype, p.device), []).append(p.detach())
+                for tensors in kinds.values():
+                    for bucket in _buckets(tensors, cap):
+                        if owner == me:
+                            flat = _flatten_dense_tensors(bucket)
+                        else:
+                            size = sum(t.numel() for t in bucket)
+                            flat = torch.empty(size, dtype=bucket[0].dtype, device=bucket[0].device)
+                        dist.broadcast(flat, src=src, group=group)
+                        if owner != me:
+                            for t, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                                t.copy_(value)
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer state this rank holds (every tensor in ``self.state`` once):
+        with ``shard_optimizer_state``, this rank's shard. Float32 master weights of a
+        low-precision model are parameters of the optimizer, not state: not counted."""
+        seen: set[int] = set()
+        total = 0
+        for entry in self.state.values():
+            for value in entry.values():
+                if isinstance(value, torch.Tensor) and id(value) not in seen:
+                    seen.add(id(value))
+                    total += value.numel() * value.element_size()
+        return total
+
     # ---- float32 master weights of a low-precision model ------------------------------------
 
     def _step_and_copy_back(self, closure):
-        result = super().step(closure)
+        owners = self._shard_owners()
+        if owners is None:
+            result = super().step(closure)
+        else:
+            result = self._sharded_step(closure, owners)
         masters = getattr(self, "_smp_masters", None)
         if masters:
             with torch.no_grad():
@@ -280,9 +436,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This rank's optimizer state: its stage's parameters, its tensor-parallel shards, and
         v1's marker ``"_smp_is_partial": True`` (``load_state_dict`` takes it back on the same
         layout). Under fp16 both state dicts also hold the loss scale (``SCALER_KEY``); float32
-        master weights of a low-precision model are their parameters' ``MASTER_KEY`` entries."""
+        master weights of a low-precision model are their parameters' ``MASTER_KEY`` entries.
+        With ``shard_optimizer_state``: the entries of the parameters this rank owns only, and
+        their indices under ``SHARD_KEY`` (a load checks them)."""
         packed = self._with_masters(super().state_dict())
-        return {**packed, **self._scaler_state(), PARTIAL_KEY: True}
+        owners = self._shard_owners()
+        if owners is None:
+            return {**packed, **self._scaler_state(), PARTIAL_KEY: True}
+        owned = self._owned_indices(owners)
+        entries = {i: e for i, e in packed["state"].items() if i in set(owned)}
+        return {
+            **packed,
+            "state": entries,
+            **self._scaler_state(),
+            SHARD_KEY: owned,
+            PARTIAL_KEY: True,
+        }
 
     def _with_masters(self, packed: dict[str, Any]) -> dict[str, Any]:
         """A packed state with each float32 master weight as its parameter's ``MASTER_KEY``
@@ -324,16 +493,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The full optimizer state, as one process training the whole model would hold it:
         every stage's entries, tensor-parallel shards joined to full shapes. A collective over
-        the pipeline and tensor-parallel groups: every rank must call it."""
+        the pipeline and tensor-parallel groups (and with ``shard_optimizer_state`` the rdp
+        group): every rank must call it."""
         local = self._with_masters(super().state_dict())
         state = get_state()
-        params = [p for group in self.param_groups for p in group["params"]]
-        entries = _unshard(local["state"], params, state)
+        params = self._params()
+        entries = local["state"]
+        owners = self._shard_owners()
+        if owners is not None:  # each rank's own entries; masters from their owners too
+            owned = set(self._owned_indices(owners))
+            entries = {i: e for i, e in entries.items() if i in owned}
+        entries = _unshard(entries, params, state)
+        if owners is not None:
+            entries = {i: {k: _cpu(v) for k, v in e.items()} for i, e in entries.items()}
+            parts: list[Any] = [None] * state.axis_size("rdp")
+            dist.all_gather_object(parts, entries, group=state.groups["rdp"])
+            entries = {i: e for part in parts for i, e in part.items()}
         if state.axis_size("pp") > 1:
             entries = {i: {k: _cpu(v) for k, v in e.items()} for i, e in entries.items()}
-            parts: list[Any] = [None] * state.axis_size("pp")
-            dist.all_gather_object(parts, entries, group=state.groups["pp"])
-            entries = {i: e for part in parts for i, e in part.items()}
+            stages: list[Any] = [None] * state.axis_size("pp")
+            dist.all_gather_object(stages, entries, group=state.groups["pp"])
+            entries = {i: e for part in stages for i, e in part.items()}
         return {
             "state": dict(sorted(entries.items())),
             "param_groups": local["param_groups"],
@@ -342,19 +522,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a full state (from :meth:`state_dict`, or one process's optimizer over the
-        same model): each rank takes its stage's entries and its tensor-parallel shards. A
-        partial state (from :meth:`local_state_dict`) is this rank's own: it loads as it is."""
-        self._load_scaler_state(state_dict)
+        same model): each rank takes its stage's entries and its tensor-parallel shards, and
+        with ``shard_optimizer_state`` only those of the parameters it owns (float32 master
+        weights: all of its stage's), so a state saved at one data-parallel degree loads at
+        another. A partial state (from :meth:`local_state_dict`) is this rank's own: it loads
+        as it is, on the layout that saved it.
+
+        Raises:
+            ValueError: a partial state saved with other owners (another rdp degree, or with
+                ``shard_optimizer_state`` on one side only).
+        """
+        owners = self._shard_owners()
         if state_dict.get(PARTIAL_KEY, False):
-            local = {k: v for k, v in state_dict.items() if k not in (PARTIAL_KEY, SCALER_KEY)}
+            self._check_shard(state_dict.get(SHARD_KEY), owners)
+            self._load_scaler_state(state_dict)
+            drop = (PARTIAL_KEY, SCALER_KEY, SHARD_KEY)
+            local = {k: v for k, v in state_dict.items() if k not in drop}
             local["state"] = self._load_masters(local["state"])
             return super().load_state_dict(local)
+        self._load_scaler_state(state_dict)
         state = get_state()
-        params = [p for group in self.param_groups for p in group["params"]]
-        owned = {i for i, p in enumerate(params) if p.numel() > 0}
-        entries = {i: e for i, e in state_dict["state"].items() if int(i) in owned}
+        params = self._params()
+        live = {i for i, p in enumerate(params) if p.numel() > 0}
+        entries = {i: e for i, e in state_dict["state"].items() if int(i) in live}
         entries = self._load_masters(_shard(entries, params, state))
+        if owners is not None and self._partitioned():
+            # Before a partition the owners are not final: the first step drops the others.
+            owned = set(self._owned_indices(owners))
+            entries = {i: e for i, e in entries.items() if int(i) in owned}
         super().load_state_dict({"state": entries, "param_groups": state_dict["param_groups"]})
+
+    def _check_shard(self, saved: list[int] | None, owners: list[int | None] | None) -> None:
+        if not self._partitioned():
+            return  # the owners are decided by the partition; the first step checks nothing
+        mine = None if owners is None else self._owned_indices(owners)
+        if saved is not None:
+            saved = [int(i) for i in saved]
+        if saved != mine:
+            state = get_state()
+            raise ValueError(
+                "optimizer.load_state_dict: this partial state (local_state_dict) holds the "
+                f"optimizer state of parameters {_brief(saved)}, but this rank (rdp rank "
+                f"{state.axis_rank('rdp')} of {state.axis_size('rdp')}, shard_optimizer_state="
+                f"{state.config.shard_optimizer_state}) keeps {_brief(mine)}: a partial state "
+                "loads on the layout that saved it; save state_dict() (full) to load on another"
+            )
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """SMP v1's clipping of the fp32 master gradients (its fp16 optimizer): smp's are the
@@ -437,6 +649,27 @@ def _master_weights(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.T
             params.append(master)
         group["params"] = params
     return masters
+
+
+def _brief(indices: list[int] | None) -> str:
+    if indices is None:
+        return "all (no sharding)"
+    shown = ", ".join(str(i) for i in indices[:6])
+    return f"[{shown}{', ...' if len(indices) > 6 else ''}] ({len(indices)})"
+
+
+def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut into runs of at most ``cap`` bytes (a larger tensor alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets
 
 
 def _cpu(value: Any) -> Any:

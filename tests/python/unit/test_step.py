@@ -192,8 +192,8 @@ def test_backward_and_optimizer_step_are_checked(single_process_smp):
 
 
 def test_not_yet_supported_configurations_say_so(single_process_smp):
-    smp = single_process_smp({"shard_optimizer_state": True})
-    with pytest.raises(NotImplementedError, match="shard_optimizer_state"):
+    smp = single_process_smp({"delayed_parameter_initialization": True})
+    with pytest.raises(NotImplementedError, match="delayed_parameter_initialization"):
         smp.DistributedModel(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="torch.optim.Optimizer"):
         smp.DistributedOptimizer(object())
