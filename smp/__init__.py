@@ -14,15 +14,13 @@
 See docs/ and api.md for the whole API.
 """
 
-import contextlib as _contextlib
-
 from smp import amp, comm, nn, optimizers
-from smp._unbuilt import fail as _fail
 from smp.activations import checkpoint, checkpoint_sequential, set_activation_checkpointing
 from smp.checkpoint_io import load, save
 from smp.checkpoints import CheckpointError, resume_from_checkpoint, save_checkpoint
 from smp.comm import *  # noqa: F403 - rank helpers, groups and object collectives
 from smp.config import Config
+from smp.delayed import delay_param_initialization
 from smp.model import DistributedModel
 from smp.nn.region import DivergentArgumentsError
 from smp.optimizer import DistributedOptimizer
@@ -40,15 +38,6 @@ from smp.tensor_parallel import (
 from smp.timeline import Timeline, last_step_timeline
 
 __version__ = "0.1.0"
-
-
-@_contextlib.contextmanager
-def delay_param_initialization(enabled: bool = True):
-    """SMP v1's context manager for creating a model without allocating its parameters until
-    they are placed. Not built yet: ``enabled=True`` fails; ``enabled=False`` does nothing."""
-    if enabled:
-        _fail("smp.delay_param_initialization", "delayed parameter initialisation")
-    yield
 
 
 __all__ = [

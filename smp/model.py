@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import _C, offload
+from smp import _C, delayed, offload
 from smp.state import get_state
 
 __all__ = ["DistributedModel", "PARTIAL_KEY"]
@@ -37,9 +37,6 @@ __all__ = ["DistributedModel", "PARTIAL_KEY"]
 PARTIAL_KEY = "_smp_is_partial"  # SMP v1's marker of a rank's partial state dict
 
 logger = logging.getLogger("smp")
-
-_UNSUPPORTED_FLAGS = ("delayed_parameter_initialization",)
-
 
 class DistributedModel(nn.Module):
     """Wraps ``module`` so smp can run it across ranks.
@@ -98,13 +95,19 @@ class DistributedModel(nn.Module):
         if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
         cfg = state.config
-        for key in _UNSUPPORTED_FLAGS:
-            if getattr(cfg, key):
-                raise NotImplementedError(
-                    f"smp.DistributedModel: config {key}=True is not supported by this version of "
-                    f"smp yet; set it to False"
-                )
-
+        # Delayed parameter initialisation: meta parameters become size-0 placeholders now;
+        # each rank gives values to those it owns once the partition is known (design.md §7d).
+        self._delayed = delayed.has_delayed(module)
+        self._delayed_pool: dict = {}  # storages tracing freed, reused by _materialize_owned
+        if self._delayed and cfg.tensor_parallel_degree > 1:
+            raise NotImplementedError(
+                "smp.DistributedModel: delayed parameter initialisation with "
+                f"tensor_parallel_degree {cfg.tensor_parallel_degree} is not built yet (each "
+                "rank would have to build its shards from a record of the whole tensor); "
+                "create the model without smp.delay_param_initialization, or with "
+                "tensor_parallel_degree 1"
+            )
+        delayed.placeholders(module)
         self.distributed_modules = _Paths()  # paths replaced by tensor-parallel versions
         if cfg.tensor_parallel_degree > 1:
             from smp.nn.lm_head import distribute_lm_head
@@ -168,12 +171,14 @@ class DistributedModel(nn.Module):
 
         self._after_partition: list[Callable[[], None]] = []  # e.g. a checkpoint to load
 
-        _check_replicas_match(self.module)
-        self._broadcast_model(lambda group: 0)
-        state.models.append(self)
         # One stage: everything is already where it runs. With pp > 1 the first smp.step traces
         # the model and partitions it (see _partition).
         self.partitioned = cfg.pipeline_parallel_degree == 1
+        if self.partitioned:
+            self._materialize_owned()
+        _check_replicas_match(self.module)
+        self._broadcast_model(lambda group: 0)
+        state.models.append(self)
         self._tracing = False
 
     # ---- use inside a step -------------------------------------------------------------------
@@ -557,7 +562,8 @@ class DistributedModel(nn.Module):
                     from smp.nn.functional import local_only
 
                     # Rank 0 runs the model alone: distributed modules must not communicate.
-                    with local_only():
+                    # Delayed parameters hold values only while their module runs.
+                    with local_only(), self._delayed_tracing():
                         traces = trace_modules(
                             self.module,
                             lambda: self._run_traced(run_first_microbatch),
@@ -590,6 +596,9 @@ class DistributedModel(nn.Module):
 
         self._runtime = PipelineRuntime(state, self.module, value.assignment, value.module_costs())
         self._release_remote_tensors()
+        if self._delayed:  # this stage's parameters get their values, equal over dp
+            self._materialize_owned()
+            self._broadcast_model(lambda group: None if self._replicas_agree(group) else 0)
         self._apply_deferred_load(state)
         pending, self._after_partition = self._after_partition, []
         for action in pending:  # collectives: every rank runs the same list
@@ -634,6 +643,43 @@ class DistributedModel(nn.Module):
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         for optimizer in get_state().optimizers:  # float32 master weights of released ones
             optimizer._release_masters()
+
+    def _delayed_tracing(self):
+        if not self._delayed:
+            return contextlib.nullcontext()
+        return delayed.materialized_while_called(self.module, self._delayed_pool)
+
+    def _materialize_owned(self) -> None:
+        """Gives this rank's delayed parameters the values eager construction would have given
+        them, one at a time (design.md §7d)."""
+        if not self._delayed:
+            return
+        seen: set[int] = set()
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) in seen or not delayed.waiting(p) or not self._owns(name):
+                continue
+            seen.add(id(p))
+            delayed.materialize(p, self._delayed_pool)
+        self._delayed_pool.clear()
+        for optimizer in get_state().optimizers:  # float32 masters made from placeholders
+            optimizer._refresh_masters(seen)
+
+    def _replicas_agree(self, group: str) -> bool:
+        """Whether every rank of ``group`` ("dp": parameters, "rdp": TP shards) holds the same
+        values (one CRC-32C of this rank's, all-gathered): replayed delayed parameters agree
+        when every rank seeded alike, and then need no broadcast (whose buckets cost memory
+        right when the stage's parameters have just been allocated)."""
+        state = get_state()
+        if state.axis_size(group) == 1:
+            return True
+        crc = 0
+        for p in _unique_parameters(self.module):
+            if p.numel() > 0 and _is_shard(p) == (group == "rdp"):
+                data = p.detach().contiguous().view(-1).view(torch.uint8).numpy()
+                crc = _C.crc32c(memoryview(data), crc)
+        crcs: list[Any] = [None] * state.axis_size(group)
+        dist.all_gather_object(crcs, crc, group=state.groups[group])
+        return len(set(crcs)) == 1
 
     def _run_traced(self, run_first_microbatch: Callable[[], Any]) -> None:
         self._tracing = True

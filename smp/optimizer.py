@@ -386,6 +386,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for master, param in getattr(self, "_smp_masters", {}).values():
                 if param.numel() > 0 and (params is None or id(param) in params):
+                    if master.shape != param.shape:  # made from a delayed parameter's placeholder
+                        master.data = torch.empty_like(param, dtype=master.dtype)
                     master.copy_(param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

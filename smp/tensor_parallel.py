@@ -263,8 +263,9 @@ def model_creation(
 ) -> Iterator[None]:
     """Creates a model the way smp wants it: marked for tensor parallelism if asked, with
     ``dtype`` as the default dtype (a bfloat16 / float16 model then trains with float32 master
-    weights in ``smp.DistributedOptimizer``). (Delayed parameter initialisation is not
-    available yet.)"""
+    weights in ``smp.DistributedOptimizer``), and with parameters left for
+    ``smp.DistributedModel`` to give values on the ranks that own them when the config has
+    ``delayed_parameter_initialization`` (:func:`smp.delay_param_initialization`)."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"smp.model_creation: dtype must be a torch.dtype, got {dtype!r}")
     previous = torch.get_default_dtype()
@@ -274,6 +275,12 @@ def model_creation(
             stack.callback(torch.set_default_dtype, previous)
         if tensor_parallelism:
             stack.enter_context(_tp_context(**tp_config))
+        from smp.state import get_state, is_initialized
+
+        if is_initialized() and get_state().config.delayed_parameter_initialization:
+            from smp.delayed import delay_param_initialization
+
+            stack.enter_context(delay_param_initialization())
         yield
 
 

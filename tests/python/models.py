@@ -94,6 +94,24 @@ def gpt_train_step(smp):
     return train_step
 
 
+def lm_train_step(smp, kind: str):
+    """The memory-saver tests' step as an ``smp.step`` function ``(model, ids, other)``: the
+    demo GPT's next-token loss against ``other`` (its targets), or a Hugging Face causal LM's
+    loss with ``other`` as the attention mask (labels -100 where it is 0)."""
+
+    @smp.step
+    def train_step(model, ids, other):
+        if kind == "gpt":
+            loss = loss_fn("gpt", model(ids), other)
+        else:
+            loss = model(input_ids=ids, attention_mask=other,
+                         labels=ids.masked_fill(other == 0, -100)).loss  # fmt: skip
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 def parity_adamw(params):
     """AdamW for parity tests. Adam's update lr * m / (sqrt(v) + eps) has sensitivity lr / eps to
     a gradient near zero, so fp32 summation-order noise (~1e-9: microbatches, ranks and stages add

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import loss_fn, parity_adamw, split_gpt_blocks, tiny_hf_model
+from models import lm_train_step, parity_adamw, split_gpt_blocks, tiny_hf_model
 from test_tp_parity import full_grads
 
 STEPS = 3
@@ -28,6 +28,12 @@ def _batch(kind: str, step: int, replica: int):
     if replica % 2 == 1:
         mask[1, -3:] = 0  # padding on the odd replicas only
     return ids, mask
+
+
+def _inputs(kind: str, step: int, replica: int):
+    """(ids, targets) for the GPT, (ids, attention mask) for the Llama: lm_train_step's."""
+    ids, mask = _batch(kind, step, replica)
+    return (ids, ids) if kind == "gpt" else (ids, mask)
 
 
 def _calling_gpt_forward(self, idx):
@@ -81,21 +87,12 @@ def _train(kind: str, layout: tuple[int, int, int], checkpointed: str | None, **
         m.register_forward_pre_hook(count)  # a recompute may stop before a module returns
     optimizer = smp.DistributedOptimizer(parity_adamw(model.parameters()))
 
-    @smp.step
-    def train_step(model, ids, mask):
-        if kind == "gpt":
-            logits = model(ids)
-            loss = loss_fn("gpt", logits, ids)
-        else:
-            loss = model(input_ids=ids, attention_mask=mask,
-                         labels=ids.masked_fill(mask == 0, -100)).loss  # fmt: skip
-        model.backward(loss)
-        return loss
+    train_step = lm_train_step(smp, kind)
 
     losses, grads = [], []
     for step in range(STEPS):
         optimizer.zero_grad()
-        losses.append(train_step(model, *_batch(kind, step, smp.dp_rank())).reduce_mean())
+        losses.append(train_step(model, *_inputs(kind, step, smp.dp_rank())).reduce_mean())
         grads.append(full_grads(model))
         optimizer.step()
     state = model.state_dict()
@@ -176,12 +173,7 @@ def _offload_worker():
         model = smp.DistributedModel(module)
         optimizer = smp.DistributedOptimizer(parity_adamw(model.parameters()))
 
-        @smp.step
-        def train_step(model, ids, mask):
-            out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-            model.backward(out.loss)
-            return out.loss
-
+        train_step = lm_train_step(smp, "llama")
         losses = []
         for step in range(2):
             optimizer.zero_grad()

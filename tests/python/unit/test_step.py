@@ -191,9 +191,7 @@ def test_backward_and_optimizer_step_are_checked(single_process_smp):
         nested(model, torch.ones(2))
 
 
-def test_not_yet_supported_configurations_say_so(single_process_smp):
-    smp = single_process_smp({"delayed_parameter_initialization": True})
-    with pytest.raises(NotImplementedError, match="delayed_parameter_initialization"):
-        smp.DistributedModel(nn.Linear(2, 2))
+def test_a_bad_optimizer_says_so(single_process_smp):
+    smp = single_process_smp()
     with pytest.raises(ValueError, match="torch.optim.Optimizer"):
         smp.DistributedOptimizer(object())

@@ -60,7 +60,6 @@ def test_the_v1_name_exists(path):
         (lambda: smp.optimizers.FusedNovoGrad([torch.zeros(1)]), "NovoGrad"),
         (lambda: smp.nn.FlashAttentionLayer(), "flash-attention"),
         (lambda: smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2({}), "GPT-2 keys"),
-        (lambda: smp.delay_param_initialization().__enter__(), "delayed parameter"),
     ],
 )
 def test_what_is_not_built_fails_when_used_and_says_what(use, words):

@@ -1,0 +1,334 @@
+"""Delayed parameter initialisation (``smp.delay_param_initialization``; design.md §7d).
+
+Inside the context every parameter a module registers becomes a meta tensor of its shape, and
+what the model's constructor then does to it is recorded: its value at registration (nothing
+for a fresh ``torch.empty``, a constant, or else a copy), then every in-place operation on it or
+on a view of it (``nn.init`` functions, Hugging Face's ``_init_weights``), with the view's
+geometry and, for a random operation, the CPU generator's state before it. A random operation
+also runs on a scratch tensor of the same geometry, so the generator moves on exactly as it
+would have: every later draw of the constructor (other parameters, buffers, the user's own)
+is what eager construction draws. Buffers and every other tensor stay real.
+
+:func:`materialize` replays a parameter's record on a fresh tensor with the recorded generator
+states (the generator's own state is restored after): the values eager construction would
+have given for the same seed, bit for bit, computed only where the parameter is needed — one
+parameter at a time, only for the parameters a rank owns after the partition.
+
+What cannot be replayed is reported when the parameter is materialised, naming it: an
+initialisation that copies a tensor computed from other meta tensors (``nn.init.orthogonal_``,
+for one), since only operations on the parameter itself are recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from smp import tree
+
+__all__ = ["delay_param_initialization", "is_delayed", "materialize", "Record"]
+
+aten = torch.ops.aten
+_RANDOM = {
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.bernoulli_.float,
+    aten.bernoulli_.Tensor,
+    aten.random_.default,
+    getattr(aten.random_, "from"),  # a Python keyword
+    aten.random_.to,
+    aten.exponential_.default,
+    aten.log_normal_.default,
+    aten.cauchy_.default,
+    aten.geometric_.default,
+}
+_PROGRAM = "_smp_delayed"  # the Record on a delayed parameter (meta, then its placeholder)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class Record:
+    """How one delayed parameter gets its values: its geometry, its value at registration and
+    the in-place operations applied to it since, in order."""
+
+    def __init__(self, param: torch.Tensor, initial: Any):
+        self.shape, self.stride = tuple(param.shape), tuple(param.stride())
+        self.offset, self.dtype = param.storage_offset(), param.dtype
+        self.numel = param.untyped_storage().nbytes() // param.element_size()
+        self.initial = initial  # None (uninitialised), ("fill", value) or ("copy", tensor)
+        self.steps: list[tuple] = []  # (op, size, stride, offset, args, kwargs, rng state)
+        self.error: str | None = None
+        self.name = "a parameter"
+
+    def replay(self, base: torch.Tensor | None = None) -> torch.Tensor:
+        """The parameter's values, computed now (the CPU generator is left as it was), in
+        ``base`` (a flat tensor of this record's storage size) if given."""
+        if self.error is not None:
+            raise RuntimeError(
+                f"smp delayed parameter initialisation: {self.name} cannot be initialised "
+                f"again: {self.error}; create the model without smp.delay_param_initialization"
+            )
+        base = torch.zeros(self.numel, dtype=self.dtype) if base is None else base.zero_()
+        if self.initial is not None:
+            kind, value = self.initial
+            target = base.as_strided(self.shape, self.stride, self.offset)
+            target.fill_(value) if kind == "fill" else target.copy_(value)
+        saved = torch.get_rng_state()
+        try:
+            for op, size, stride, offset, args, kwargs, rng in self.steps:
+                if rng is not None:
+                    torch.set_rng_state(rng)
+                op(base.as_strided(size, stride, offset), *args, **kwargs)
+        finally:
+            torch.set_rng_state(saved)
+        return base.as_strided(self.shape, self.stride, self.offset)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the in-place operations on delayed parameters (by their meta storage), and
+    which real storages are fresh ``torch.empty`` ones not written yet."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: dict[int, Record] = {}  # meta storage -> its parameter's record
+        self.fresh: set[int] = set()  # real storages from torch.empty not written since
+        self.buffer: torch.Tensor | None = None
+
+    def scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A real tensor of ``like``'s geometry for a random operation to run on (one buffer,
+        grown as needed: a fresh allocation per parameter left freed memory that a process
+        with one thread did not give back, gigabytes for a 300 M model)."""
+        span = 1 + sum((n - 1) * s for n, s in zip(like.shape, like.stride()) if n > 0)
+        span = span if like.numel() else 0
+        if self.buffer is None or self.buffer.dtype != like.dtype or self.buffer.numel() < span:
+            self.buffer = None
+            self.buffer = torch.empty(max(span, 1), dtype=like.dtype)
+        return self.buffer.as_strided(like.shape, like.stride())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = _written(func, args, kwargs)
+        target = written[0] if written else None
+        if target is not None and target.is_meta and _storage_key(target) in self.records:
+            self._record(self.records[_storage_key(target)], func, target, args, kwargs)
+        out = func(*args, **kwargs)
+        for t in written:
+            if not t.is_meta:
+                self.fresh.discard(_storage_key(t))
+        empty = func in (aten.empty.memory_format, aten.empty_strided.default)
+        if empty and isinstance(out, torch.Tensor) and not out.is_meta:
+            self.fresh.add(_storage_key(out))
+        return out
+
+    def _record(self, record: Record, func, target: torch.Tensor, args, kwargs) -> None:
+        rest = args[1:]
+        for t in tree.tensors((rest, kwargs)):
+            if t.is_meta:
+                record.error = (
+                    f"its initialisation runs {func} with a tensor computed on the meta device "
+                    "(only operations on the parameter itself are recorded)"
+                )
+                return
+        rng = None
+        if func in _RANDOM:  # move the generator on exactly as the eager operation would
+            rng = torch.get_rng_state()
+            func(self.scratch(target), *rest, **kwargs)  # (the mode is off inside its own handler)
+        rest = tree.map_tensors(lambda t: t.detach().clone(), rest)
+        kwargs = tree.map_tensors(lambda t: t.detach().clone(), kwargs)
+        geometry = (tuple(target.shape), tuple(target.stride()), target.storage_offset())
+        record.steps.append((func, *geometry, rest, kwargs, rng))
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors ``func`` writes (its mutable arguments)."""
+    out = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
+
+
+_local = threading.local()
+_original_register = nn.Module.register_parameter
+
+
+def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    recorder: _Recorder | None = getattr(_local, "recorder", None)
+    if recorder is None or param is None or getattr(param, _PROGRAM, None) is not None:
+        return _original_register(self, name, param)
+    if param.is_meta or _storage_key(param) in recorder.fresh or param.numel() == 0:
+        initial = None
+    else:
+        flat = param.detach().reshape(-1)
+        first = flat[0]
+        constant = bool((flat == first).all()) or bool(flat.isnan().all())
+        initial = ("fill", first.item()) if constant else ("copy", param.detach().clone())
+    meta = nn.Parameter(
+        torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device="meta"),
+        requires_grad=param.requires_grad,
+    )
+    meta.__dict__.update(param.__dict__)
+    record = Record(meta, initial)
+    setattr(meta, _PROGRAM, record)
+    recorder.records[_storage_key(meta)] = record
+    return _original_register(self, name, meta)
+
+
+# torch.nn.init functions that return at once for a meta tensor (nothing drawn: the values and
+# every later draw would differ from eager construction): run on a scratch tensor instead, and
+# recorded as one step.
+_SKIPPING_META = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+_init_originals = {name: getattr(nn.init, name) for name in _SKIPPING_META}
+
+
+def _recorded_init(name: str):
+    original = _init_originals[name]
+
+    def init(tensor, *args, **kwargs):
+        recorder: _Recorder | None = getattr(_local, "recorder", None)
+        record = None
+        if recorder is not None and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            record = recorder.records.get(_storage_key(tensor))
+        if record is None:
+            return original(tensor, *args, **kwargs)
+        rng = torch.get_rng_state()
+        original(recorder.scratch(tensor), *args, **kwargs)  # moves the generator on as eagerly
+        geometry = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        record.steps.append((original, *geometry, args, kwargs, rng))
+        return tensor
+
+    init.__name__ = name
+    return init
+
+
+_init_patches = {name: _recorded_init(name) for name in _SKIPPING_META}
+_patch_lock = threading.Lock()
+_active = 0
+
+
+@contextlib.contextmanager
+def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
+    """Builds a model without allocating its parameters: see the module's docstring. The
+    model must then be wrapped by ``smp.DistributedModel``, which gives each rank the values of
+    the parameters it owns."""
+    global _active
+    if not enabled:
+        yield
+        return
+    if getattr(_local, "recorder", None) is not None:
+        yield  # nested: the outer context records
+        return
+    recorder = _Recorder()
+    with _patch_lock:
+        _active += 1
+        nn.Module.register_parameter = _register_parameter
+        for name, patched in _init_patches.items():
+            setattr(nn.init, name, patched)
+    _local.recorder = recorder
+    try:
+        with recorder:
+            yield
+    finally:
+        _local.recorder = None
+        with _patch_lock:
+            _active -= 1
+            if not _active:
+                nn.Module.register_parameter = _original_register
+                for name, original in _init_originals.items():
+                    setattr(nn.init, name, original)
+
+
+def is_delayed(param: torch.Tensor) -> bool:
+    """Whether ``param`` was created under delayed initialisation and has no values yet."""
+    return getattr(param, _PROGRAM, None) is not None and param.numel() == 0 or param.is_meta
+
+
+def has_delayed(module: nn.Module) -> bool:
+    """Whether ``module`` has parameters created under delayed initialisation."""
+    return any(getattr(p, _PROGRAM, None) is not None for p in module.parameters())
+
+
+def placeholders(module: nn.Module) -> dict[int, Record]:
+    """Replaces every delayed (meta) parameter of ``module`` by a CPU parameter of shape (0,)
+    carrying its record (one object per parameter, so tied ones stay tied), names the records,
+    and returns {id(placeholder): record}."""
+    new: dict[int, nn.Parameter] = {}
+    records: dict[int, Record] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for name, p in list(sub._parameters.items()):
+            record = getattr(p, _PROGRAM, None) if p is not None else None
+            if record is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                holder = nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
+                holder.__dict__.update(p.__dict__)
+                record.name = f"parameter '{path + '.' if path else ''}{name}'"
+                new[id(p)] = holder
+                records[id(holder)] = record
+            sub._parameters[name] = new[id(p)]
+    return records
+
+
+def materialize(param: nn.Parameter, pool: dict | None = None) -> None:
+    """Gives a delayed parameter its values (as eager construction would have), in a storage
+    of ``pool`` ({(numel, dtype): [flat tensors]}) when one of its size is there."""
+    record: Record = getattr(param, _PROGRAM)
+    free = (pool or {}).get((record.numel, record.dtype))
+    with torch.no_grad():
+        param.data = record.replay(free.pop() if free else None).to(param.device)
+
+
+def release(param: nn.Parameter) -> None:
+    """Takes a materialised delayed parameter's values away again (size-0 storage)."""
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+@contextlib.contextmanager
+def materialized_while_called(module: nn.Module, pool: dict) -> Iterator[None]:
+    """While the body runs, each module's delayed parameters hold values during its forward
+    only: what tracing on one rank needs without ever holding the whole model. Freed storages
+    go to ``pool`` ({(numel, dtype): [flat tensors]}) and are reused (the layers repeat; what
+    is left there the caller may reuse too: memory a process freed is not always given back
+    to the system, so reusing it keeps the peak down)."""
+    handles = []
+
+    def own(m: nn.Module) -> list[nn.Parameter]:
+        return [p for p in m._parameters.values() if p is not None and waiting(p)]
+
+    def pre(m, *_):
+        for p in own(m):
+            materialize(p, pool)
+            m.__dict__.setdefault("_smp_delayed_live", []).append(p)
+
+    def post(m, *_):
+        for p in m.__dict__.pop("_smp_delayed_live", []):
+            record = getattr(p, _PROGRAM)
+            flat = p.data.as_strided((record.numel,), (1,), 0)
+            pool.setdefault((record.numel, record.dtype), []).append(flat)
+            release(p)
+
+    for m in module.modules():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for m in module.modules():
+            post(m)
+
+
+def waiting(p: torch.Tensor) -> bool:
+    return getattr(p, _PROGRAM, None) is not None and p.numel() == 0
