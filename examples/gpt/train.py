@@ -80,6 +80,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "random state (saved under any pp x tp x dp layout)",
     )
     p.add_argument(
+        "--no-activation-checkpointing",
+        dest="activation_checkpointing",
+        action="store_false",
+        help="keep every block's activations instead of recomputing them in backward",
+    )
+    p.add_argument(
+        "--no-shard-optimizer-state",
+        dest="shard_optimizer_state",
+        action="store_false",
+        help="keep the whole optimizer state on every data-parallel rank instead of a share",
+    )
+    p.add_argument(
         "--eval-every",
         type=int,
         default=0,
@@ -138,6 +150,30 @@ def progress_line(step: int, total: int, loss: float, tok_s: float, width: int =
     return f"step {step}/{total} [{bar[:width]}] loss {loss:.2f} | {tok_s:.0f} tok/s"
 
 
+def print_memory(model, optimizer, args) -> None:
+    """One line per rank (printed by rank 0): the bytes of the parameters, gradients and
+    optimizer state it holds, counted from the tensors."""
+
+    def mib(tensors) -> float:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) / 2**20
+
+    params = [p for p in model.parameters() if p.numel() > 0]
+    mine = (
+        f"rank {smp.rank()} (pp {smp.pp_rank()}, tp {smp.tp_rank()}, rdp {smp.rdp_rank()}): "
+        f"parameters {mib(params):.2f} MiB, gradients {mib(p.grad for p in params):.2f} MiB, "
+        f"optimizer state {optimizer.state_bytes() / 2**20:.2f} MiB"
+        + (
+            f" (1/{smp.rdp_size()} share)"
+            if args.shard_optimizer_state and smp.rdp_size() > 1
+            else ""
+        )
+        + ("; blocks checkpointed" if args.activation_checkpointing else "")
+    )
+    lines = smp.allgather(mine, smp.WORLD)
+    if smp.rank() == 0:
+        print("memory:\n  " + "\n  ".join(lines), flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
 
@@ -151,6 +187,9 @@ def main(argv=None) -> int:
         "microbatches": args.microbatches,
         "pipeline_parallel_degree": args.pp,
         "tensor_parallel_degree": args.tp,
+        # Memory savers: each data-parallel rank keeps the AdamW state of its share of the
+        # parameters (ZeRO-1; no effect without data parallelism).
+        "shard_optimizer_state": args.shard_optimizer_state,
     }
     smp.init(smp_config)
     is_main = smp.rank() == 0
@@ -178,6 +217,8 @@ def main(argv=None) -> int:
     smp.tp_register_plan(Block, **BLOCK_TP_PLAN)
     for block in net.h:
         smp.set_tensor_parallelism(block)
+    if args.activation_checkpointing:  # each block keeps only its input; recomputed in backward
+        smp.set_activation_checkpointing(net.h)
     model = smp.DistributedModel(net)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
     start = 0
@@ -257,6 +298,7 @@ def main(argv=None) -> int:
             evaluate(f"step {step}: ")
 
     evaluate("end: ")
+    print_memory(model, optimizer, args)
     if args.checkpoint is not None:  # every rank writes its part
         written = smp.save_checkpoint(
             str(args.checkpoint),

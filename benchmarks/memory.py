@@ -1,0 +1,184 @@
+"""Memory per rank with the memory savers off and on: the demo GPT (default ~300 M parameters:
+24 layers, hidden 1024, byte vocabulary) on 4 gloo processes, at pp 2 x dp 2 and tp 2 x dp 2,
+AdamW, two training steps per configuration (one launch each, so each peak is its own).
+
+Counted exactly from the tensors on each rank after the second step: the parameters it holds,
+their gradients, the optimizer state; the *ideal share* is the whole model's bytes divided by
+the ranks that split it (pp x tp) and, for sharded optimizer state, by the data-parallel
+ranks holding the same parameters too. With activation checkpointing: the bytes the
+checkpointed blocks keep per microbatch (their saved inputs) against the block-boundary
+tensors (one microbatch x sequence x hidden float32 tensor per block this rank runs). Also the
+process's peak resident memory, and how far it rose above the process's before the model was
+built, up to the end of the partition (building, wrapping, tracing, partitioning: the whole
+model on every rank, unless built under ``smp.delay_param_initialization``, the
+``delayed_init`` row), against the rank's parameter share.
+
+    .venv/bin/python benchmarks/memory.py [--layers 24] [--hidden 1024] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _launch import run_ranks  # noqa: E402
+
+LAYOUTS = {"pp2xdp2": (2, 1), "tp2xdp2": (1, 2)}
+SAVERS = {  # (activation checkpointing, shard_optimizer_state, delayed initialisation)
+    "off": (False, False, False),
+    "checkpointing": (True, False, False),
+    "shard_optimizer_state": (False, True, False),
+    "both": (True, True, False),
+    "delayed_init": (False, False, True),  # pp layouts only (not with tensor parallelism yet)
+}
+
+
+def _nbytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None and t.numel() > 0:
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def _rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _worker(rank: int, layout: str, saver: str, layers: int, hidden: int, seq: int) -> dict:
+    import torch.distributed as dist
+    from model import BLOCK_TP_PLAN, GPT, Block, GPTConfig, lm_loss
+
+    import smp
+    from smp import activations
+
+    pp, tp = LAYOUTS[layout]
+    checkpointing, sharded, delay = SAVERS[saver]
+    microbatches, batch = 2, 4
+    smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True,
+              "microbatches": microbatches, "shard_optimizer_state": sharded})  # fmt: skip
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=seq, n_layer=layers, n_head=16, n_embd=hidden)
+    baseline = _rss_peak()
+    with smp.delay_param_initialization(enabled=delay):
+        net = GPT(cfg)
+    total_params = sum(p.numel() * p.element_size() for p in net.parameters())
+    if tp > 1:
+        smp.tp_register_plan(Block, **BLOCK_TP_PLAN)
+        for block in net.h:
+            smp.set_tensor_parallelism(block)
+    if checkpointing:
+        smp.set_activation_checkpointing(net.h)
+    model = smp.DistributedModel(net)
+    at_partition = [_rss_peak()]  # pp 1: the model is placed when wrapped
+    model.register_post_partition_hook(lambda *_: at_partition.append(_rss_peak()))
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    kept = [0]
+    original = activations.Frame.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        kept[0] += sum(t.numel() * t.element_size() for t in activations.tree.tensors(self.inputs))
+
+    activations.Frame.__init__ = record
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = lm_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(smp.dp_rank())
+    for _ in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+        kept[0] = 0
+        optimizer.zero_grad(set_to_none=False)
+        train_step(model, tokens[:, :-1], tokens[:, 1:])
+        optimizer.step()
+    activations.Frame.__init__ = original
+
+    params = [p for p in model.parameters() if p.numel() > 0]
+    plan = model.partition_plan
+    owned_blocks = sum(
+        1 for i in range(layers) if plan is None or plan.assignment[f"h.{i}"] == smp.pp_rank()
+    )
+    boundary = owned_blocks * (batch // microbatches) * seq * hidden * 4
+    # AdamW keeps exp_avg and exp_avg_sq (each the parameter's size) and a scalar step.
+    ideal_state = 2 * total_params / (pp * tp) / (smp.rdp_size() if sharded else 1)
+    mine = {
+        "rank": rank,
+        "params": _nbytes(params),
+        "grads": _nbytes([p.grad for p in params]),
+        "optimizer": optimizer.state_bytes(),
+        "ideal_params": total_params / (pp * tp),
+        "ideal_optimizer": ideal_state,
+        "kept_per_microbatch": kept[0] / microbatches,
+        "block_boundaries": boundary if checkpointing else 0,
+        "peak_rss": _rss_peak(),
+        "construction_peak_above_baseline": at_partition[-1] - baseline,
+        "total_params_bytes": total_params,
+    }
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    smp.shutdown()
+    return everyone
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--savers", default=",".join(SAVERS))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    results = {}
+    for layout in args.layouts.split(","):
+        for saver in args.savers.split(","):
+            ranks = run_ranks(_worker, 4, layout, saver, args.layers, args.hidden, args.seq)
+            results[f"{layout}/{saver}"] = ranks
+            total = ranks[0]["total_params_bytes"]
+            print(f"{layout}, {saver} (model {total / 4e6:.0f} M parameters):", flush=True)
+            for r in ranks:
+                static = r["params"] + r["grads"] + r["optimizer"]
+                ideal = 2 * r["ideal_params"] + r["ideal_optimizer"]
+                line = (
+                    f"  rank {r['rank']}: params {r['params'] / 2**20:7.1f} MiB, grads "
+                    f"{r['grads'] / 2**20:7.1f} MiB, optimizer {r['optimizer'] / 2**20:7.1f} MiB"
+                    f" = {static / ideal:.3f} x the ideal share; peak RSS "
+                    f"{r['peak_rss'] / 2**30:.2f} GiB"
+                )
+                if r["block_boundaries"]:
+                    line += (
+                        f"; kept per microbatch {r['kept_per_microbatch'] / 2**20:.1f} MiB = "
+                        f"{r['kept_per_microbatch'] / r['block_boundaries']:.3f} x the block "
+                        "boundaries"
+                    )
+                print(line, flush=True)
+            shares = [
+                r["construction_peak_above_baseline"] / r["params"] for r in ranks if r["params"]
+            ]
+            print(
+                "  building, wrapping and partitioning (to the partition's end): peak resident "
+                "memory above the process's before construction = "
+                + ", ".join(f"{x:.2f}" for x in shares)
+                + " x each rank's parameter share",
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
