@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from smp import tree
 
-__all__ = ["delay_param_initialization", "is_delayed", "materialize", "Record"]
+__all__ = ["delay_param_initialization", "is_delayed", "materialize", "Record", "Derived"]
 
 aten = torch.ops.aten
 _RANDOM = {
@@ -314,8 +314,9 @@ def materialized_while_called(module: nn.Module, pool: dict) -> Iterator[None]:
     def post(m, *_):
         for p in m.__dict__.pop("_smp_delayed_live", []):
             record = getattr(p, _PROGRAM)
-            flat = p.data.as_strided((record.numel,), (1,), 0)
-            pool.setdefault((record.numel, record.dtype), []).append(flat)
+            if record.numel:  # a shard's record (Derived) has no fixed storage size: not pooled
+                flat = p.data.as_strided((record.numel,), (1,), 0)
+                pool.setdefault((record.numel, record.dtype), []).append(flat)
             release(p)
 
     for m in module.modules():
@@ -332,3 +333,67 @@ def materialized_while_called(module: nn.Module, pool: dict) -> Iterator[None]:
 
 def waiting(p: torch.Tensor) -> bool:
     return getattr(p, _PROGRAM, None) is not None and p.numel() == 0
+
+
+class Derived:
+    """The record of a tensor-parallel shard of a delayed parameter: ``source``'s values, then
+    this rank's shard of them (``functional.shard_tensor``), computed when needed."""
+
+    def __init__(self, source: Record, split: tuple[int, int], size: int, rank: int):
+        self.source, self.split, self.size, self.rank = source, split, size, rank
+        self.name = source.name
+
+    def replay(self, base: torch.Tensor | None = None) -> torch.Tensor:
+        from smp.nn.functional import shard_tensor
+
+        full = self.source.replay()
+        shard = shard_tensor(full, self.split[0], self.split[1], self.size, self.rank)
+        if base is None or base.numel() != shard.numel():
+            return shard.clone()
+        return base.view(shard.shape).copy_(shard)
+
+    @property
+    def numel(self) -> int:
+        return 0  # not pooled: the shard's size is known only once computed
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.source.dtype
+
+
+@contextlib.contextmanager
+def converting(module: nn.Module, size: int, rank: int) -> Iterator[dict]:
+    """Around the tensor-parallel conversion of ``module`` (the body stores the converted module
+    as ``out["new"]``, ``module`` itself when converted in place): ``module``'s delayed
+    parameters hold their values during the conversion (one module's worth at a time), and
+    afterwards each parameter of the converted module that came from one of them (same name)
+    is a delayed placeholder again, recorded as that parameter's shard (or the parameter
+    itself, replicated). A converted value that the record would not give back (a conversion
+    that does more than cut along one dimension) stays as it is."""
+    before = {name: p for name, p in module.named_parameters() if waiting(p)}
+    out: dict = {}
+    if not before:
+        yield out
+        return
+    records = {name: getattr(p, _PROGRAM) for name, p in before.items()}
+    for p in before.values():
+        materialize(p)
+    kept: set[int] = set()  # converted values a record would not give back
+    try:
+        yield out
+        new = out.get("new")
+        for name, p in new.named_parameters() if new is not None else ():
+            record = records.get(name)
+            if record is None or p.numel() == 0:
+                continue
+            split = getattr(p, "_smp_tp_split", None)
+            derived = record if split is None else Derived(record, split, size, rank)
+            if torch.equal(derived.replay(), p.detach()):
+                setattr(p, _PROGRAM, derived)
+                release(p)
+            else:
+                kept.add(id(p))
+    finally:
+        for p in before.values():
+            if p.numel() > 0 and id(p) not in kept:
+                release(p)

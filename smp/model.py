@@ -38,6 +38,7 @@ PARTIAL_KEY = "_smp_is_partial"  # SMP v1's marker of a rank's partial state dic
 
 logger = logging.getLogger("smp")
 
+
 class DistributedModel(nn.Module):
     """Wraps ``module`` so smp can run it across ranks.
 
@@ -99,14 +100,6 @@ class DistributedModel(nn.Module):
         # each rank gives values to those it owns once the partition is known (design.md §7d).
         self._delayed = delayed.has_delayed(module)
         self._delayed_pool: dict = {}  # storages tracing freed, reused by _materialize_owned
-        if self._delayed and cfg.tensor_parallel_degree > 1:
-            raise NotImplementedError(
-                "smp.DistributedModel: delayed parameter initialisation with "
-                f"tensor_parallel_degree {cfg.tensor_parallel_degree} is not built yet (each "
-                "rank would have to build its shards from a record of the whole tensor); "
-                "create the model without smp.delay_param_initialization, or with "
-                "tensor_parallel_degree 1"
-            )
         delayed.placeholders(module)
         self.distributed_modules = _Paths()  # paths replaced by tensor-parallel versions
         if cfg.tensor_parallel_degree > 1:

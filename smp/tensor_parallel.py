@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp import delayed
 from smp._creation import creation_hook
 from smp.nn import functional as tpf
 from smp.nn.modules import (
@@ -320,7 +321,8 @@ def distribute_marked_modules(root: nn.Module, group: Any) -> tuple[nn.Module, l
             if registration is not None:
                 try:
                     _check_not_shared(module, path, owners)
-                    new = _convert(module, registration, dict(mark), group)
+                    with delayed.converting(module, group.size(), group.rank()) as out:
+                        new = out["new"] = _convert(module, registration, dict(mark), group)
                 except _CannotDistribute as exc:
                     warnings.warn(
                         f"smp: module {path or '<root>'} ({type(module).__name__}) is marked for "

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from smp import delayed
 from smp.nn import functional as tpf
 from smp.nn.modules import DistributedEmbedding, DistributedModule
 from smp.nn.region import (
@@ -283,20 +284,22 @@ def distribute_lm_head(root: nn.Module, group: dist.ProcessGroup) -> tuple[list[
             return [], "it is tied to the input embedding, which is not marked; mark both"
         if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
             return [], "its tied input embedding uses max_norm, sparse or scale_grad_by_freq"
-        new_embedding = DistributedEmbedding(
-            embedding.num_embeddings,
-            embedding.embedding_dim,
-            padding_idx=embedding.padding_idx,
-            group=group,
-            full_weight=embedding.weight.detach().clone(),
-        )
+        with delayed.converting(embedding, n, group.rank()) as out:
+            new_embedding = out["new"] = DistributedEmbedding(
+                embedding.num_embeddings,
+                embedding.embedding_dim,
+                padding_idx=embedding.padding_idx,
+                group=group,
+                full_weight=embedding.weight.detach().clone(),
+            )
         new_embedding.train(embedding.training)
         embedding_path = _path_of(root, embedding)
         root.set_submodule(embedding_path, new_embedding)
         replaced.append(embedding_path)
         new_head = VocabParallelHead(hidden, vocab, group, weight=new_embedding.weight)
     else:
-        new_head = VocabParallelHead(hidden, vocab, group, full_weight=head.weight)
+        with delayed.converting(head, n, group.rank()) as out:
+            new_head = out["new"] = VocabParallelHead(hidden, vocab, group, full_weight=head.weight)
     new_head.train(head.training)
     root.set_submodule(head_path, new_head)
     replaced.append(head_path)

@@ -1,16 +1,19 @@
-"""Delayed parameter initialisation at pp 2 x dp 2: a model created inside ``smp.model_creation()``
-with ``delayed_parameter_initialization`` has no parameter values until the partition; then each
-rank gives values to the parameters its stage owns — bit for bit those of eager construction with
-the same seed — and none to the others, and rank 0 traces the model holding at most the
-parameters of the modules running at that moment. Training then matches the same run on an
-eagerly built model (losses, every gradient, parameters after 3 AdamW steps). On the demo GPT
-and an unmodified Hugging Face Llama, each data-parallel rank with its own data."""
+"""Delayed parameter initialisation at pp 2 x dp 2 and pp 2 x tp 2: a model created inside
+``smp.model_creation()`` with ``delayed_parameter_initialization`` has no parameter values until
+the partition; then each rank gives values to the parameters its stage owns — bit for bit those
+of eager construction with the same seed, or its tensor-parallel shards of them — and none to
+the others. Before that no rank holds the whole model: tensor parallelism splits one module at
+a time, and rank 0 traces holding the parameters of the modules running at that moment.
+Training then matches the same run on an eagerly built model (losses, every gradient,
+parameters after 3 AdamW steps). On the demo GPT (per-block TP plan) and an unmodified Hugging
+Face Llama (whole-model marking, vocab-parallel head), each data-parallel rank with its own
+data."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from models import lm_train_step, parity_adamw, tiny_hf_model
+from models import lm_train_step, parity_adamw, split_gpt_blocks, tiny_hf_model
 from test_activation_checkpointing import SEQ, VOCAB, _batch, _compare, _inputs
 from test_tp_parity import full_grads
 
@@ -23,18 +26,21 @@ def _make(kind: str):
     return tiny_hf_model("llama", VOCAB, SEQ, use_cache=False)
 
 
-def _run(kind: str, delay: bool):
+def _run(kind: str, delay: bool, tp: int):
     import smp
     from smp import delayed
+    from smp.nn.functional import shard_tensor
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2,
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": tp, "microbatches": 2,
               "delayed_parameter_initialization": delay})  # fmt: skip
     torch.manual_seed(0)
     eager = _make(kind)
     total = sum(p.numel() for p in eager.parameters())
     torch.manual_seed(0)
-    with smp.model_creation():
+    with smp.model_creation(tensor_parallelism=tp > 1 and kind == "llama"):  # whole model
         module = _make(kind)
+    if tp > 1 and kind == "gpt":
+        split_gpt_blocks(smp, module)  # per block
     assert all(p.is_meta for p in module.parameters()) == delay
     live, peak = [0], [0]
     materialize, release = delayed.materialize, delayed.release
@@ -50,6 +56,8 @@ def _run(kind: str, delay: bool):
 
     delayed.materialize, delayed.release = counted_materialize, counted_release
     model = smp.DistributedModel(module)
+    if delay:  # TP shards too: a record of "the shard of that parameter", no values yet
+        assert all(p.numel() == 0 for p in model.module.parameters())
     checked = []
     traced = []
     owned = model._materialize_owned
@@ -63,7 +71,11 @@ def _run(kind: str, delay: bool):
     def after_partition(model, _):
         for name, p in model.module.named_parameters():
             if model._owns(name):
-                assert torch.equal(p, dict(eager.named_parameters())[name]), name
+                expected = dict(eager.named_parameters())[name]
+                split = getattr(p, "_smp_tp_split", None)
+                if split is not None:  # this rank's shard of eager construction's tensor
+                    expected = shard_tensor(expected, *split, smp.tp_size(), smp.tp_rank())
+                assert torch.equal(p, expected), name
                 checked.append(name)
             else:
                 assert p.numel() == 0, name
@@ -90,20 +102,24 @@ def _run(kind: str, delay: bool):
     return losses, grads, state, checked, total
 
 
-def _worker(kind: str):
-    eager = _run(kind, False)
-    lazy = _run(kind, True)
+def _worker(kind: str, tp: int):
+    eager = _run(kind, False, tp)
+    lazy = _run(kind, True, tp)
     _compare(eager, lazy, exact=False)
     checked, total = lazy[3], lazy[4]
     return len(checked) - 1, checked[-1], total
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_delayed_init_at_pp2_dp2_matches_eager_construction(pools, kind):
-    results = pools.run(4, _worker, kind, timeout_s=300)
-    for owned, traced_peak, total in results:
+@pytest.mark.parametrize("layout", ["pp2xdp2", "pp2xtp2"])
+def test_delayed_init_matches_eager_construction(pools, kind, layout):
+    tp = 2 if layout == "pp2xtp2" else 1
+    results = pools.run(4, _worker, kind, tp, timeout_s=300)
+    for owned, peak, total in results:
         assert owned > 0
-        assert traced_peak < total / 4, (traced_peak, total)  # rank 0 traced piece by piece
+        # Before the partition a rank held at most: one module being split for TP (its
+        # whole weights), or while tracing, the parameters of the modules running then.
+        assert peak < (total / 2 if tp > 1 else total / 4), (peak, total)
 
 
 def _seeded_apart_worker():
