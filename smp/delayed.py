@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,8 +100,16 @@ class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.records: dict[int, Record] = {}  # meta storage -> its parameter's record
-        self.fresh: set[int] = set()  # real storages from torch.empty not written since
+        # Real storages from torch.empty not written since, by address, each with a weak
+        # reference to its storage: an address a freed storage leaves may be reused by the
+        # next one (a torch.ones right after a temporary torch.empty), which is not fresh.
+        self.fresh: dict[int, weakref.ref] = {}
         self.buffer: torch.Tensor | None = None
+
+    def is_fresh(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage came from ``torch.empty`` and was not written since."""
+        ref = self.fresh.get(_storage_key(t))
+        return ref is not None and ref() is not None  # alive: the address is still its
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A real tensor of ``like``'s geometry for a random operation to run on (one buffer,
@@ -122,10 +131,10 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         for t in written:
             if not t.is_meta:
-                self.fresh.discard(_storage_key(t))
+                self.fresh.pop(_storage_key(t), None)
         empty = func in (aten.empty.memory_format, aten.empty_strided.default)
         if empty and isinstance(out, torch.Tensor) and not out.is_meta:
-            self.fresh.add(_storage_key(out))
+            self.fresh[_storage_key(out)] = weakref.ref(out.untyped_storage())
         return out
 
     def _record(self, record: Record, func, target: torch.Tensor, args, kwargs) -> None:
@@ -167,7 +176,7 @@ def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) 
     recorder: _Recorder | None = getattr(_local, "recorder", None)
     if recorder is None or param is None or getattr(param, _PROGRAM, None) is not None:
         return _original_register(self, name, param)
-    if param.is_meta or _storage_key(param) in recorder.fresh or param.numel() == 0:
+    if param.is_meta or recorder.is_fresh(param) or param.numel() == 0:
         initial = None
     else:
         flat = param.detach().reshape(-1)

@@ -61,6 +61,21 @@ def test_values_given_at_creation_and_views_are_replayed():
         assert torch.equal(p, q), name
 
 
+def test_a_constant_made_where_a_freed_empty_tensor_was_is_kept():
+    class Reuse(nn.Module):  # the ones() storage tends to take the freed empty()'s address
+        def __init__(self):
+            super().__init__()
+            for i in range(20):
+                torch.empty(3)
+                setattr(self, f"w{i}", nn.Parameter(torch.ones(3)))
+
+    lazy, _ = _build(Reuse, True)
+    delayed.placeholders(lazy)
+    for name, p in lazy.named_parameters():
+        delayed.materialize(p)
+        assert torch.equal(p, torch.ones(3)), name
+
+
 def test_inits_that_skip_meta_tensors_still_draw_and_replay():
     class Inits(nn.Module):  # torch's versions of these return at once for a meta tensor
         def __init__(self):
