@@ -53,8 +53,8 @@ _STRATEGY = re.compile(r"^(each|contiguous|group_([1-9][0-9]*))$")
 @dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
     """How a module is checkpointed. ``pack_args_as_tuple`` is SMP v1's, kept for its scripts:
-    v1 checkpointed through a reentrant autograd function, which needed tuples packed; torch's
-    non-reentrant checkpoint passes any arguments as they are, so it changes nothing."""
+    v1 checkpointed through a reentrant autograd function, which needed tuples packed; smp's
+    :class:`Frame` passes any arguments as they are, so it changes nothing."""
 
     preserve_rng_state: bool = True
     pack_args_as_tuple: bool = False
@@ -358,12 +358,12 @@ def _unwrapped(module: Any, where: str) -> nn.Module:
     return module
 
 
-def _mark(module: nn.Module, options: CheckpointOptions, forward: Callable) -> None:
+def _mark(module: nn.Module, options: CheckpointOptions) -> None:
     _check_placement(module)
     if _MARK not in module.__dict__ and "forward" in module.__dict__:
         module.__dict__[_INNER] = module.__dict__["forward"]  # e.g. a hook library's wrapper
     module.__dict__[_MARK] = options
-    module.__dict__["forward"] = types.MethodType(forward, module)
+    module.__dict__["forward"] = types.MethodType(_checkpointed_forward, module)
 
 
 def set_activation_checkpointing(
@@ -404,11 +404,11 @@ def set_activation_checkpointing(
                 'strategy="each"'
             )
         for child in module:
-            _mark(child, options, _checkpointed_forward)
+            _mark(child, options)
         return
     if isinstance(module, nn.Sequential):
         for child in module:
-            _mark(child, dataclasses.replace(options, strategy="each"), _checkpointed_forward)
+            _mark(child, dataclasses.replace(options, strategy="each"))
         if strategy != "each":
             _mark_group(module, options)
         return
@@ -417,7 +417,7 @@ def set_activation_checkpointing(
             f"{where}: strategy {strategy!r} is for an nn.Sequential; "
             f'{type(module).__name__} is checkpointed whole: leave strategy at "each"'
         )
-    _mark(module, options, _checkpointed_forward)
+    _mark(module, options)
 
 
 def _mark_group(seq: nn.Sequential, options: CheckpointOptions) -> None:

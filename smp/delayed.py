@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from smp import tree
 
-__all__ = ["delay_param_initialization", "is_delayed", "materialize", "Record", "Derived"]
+__all__ = ["delay_param_initialization", "materialize", "Record", "Derived"]
 
 aten = torch.ops.aten
 _RANDOM = {
@@ -256,11 +256,6 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
                 nn.Module.register_parameter = _original_register
                 for name, original in _init_originals.items():
                     setattr(nn.init, name, original)
-
-
-def is_delayed(param: torch.Tensor) -> bool:
-    """Whether ``param`` was created under delayed initialisation and has no values yet."""
-    return getattr(param, _PROGRAM, None) is not None and param.numel() == 0 or param.is_meta
 
 
 def has_delayed(module: nn.Module) -> bool:

@@ -21,20 +21,17 @@ state of the parameters it owns, then broadcasts them.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from model import GPT, lm_loss
 from models import (
     build_model,
     gpt_train_step,
     make_batch,
     parity_adamw,
     split_gpt_blocks,
-    tiny_gpt_config,
     tiny_hf_model,
 )
+from test_checkpoints import LAYERS, _gpt, _my_share, _reference
 
 from smp.optimizer import SHARD_KEY, balance_owners
 
@@ -304,9 +301,7 @@ def test_sharded_matches_unsharded_at_4_ranks(pools, layout):
 
 # ---- checkpoints and full state across dp degrees ---------------------------------------------
 
-BATCH = 8
 SEGMENT = 2
-LAYERS = 4
 # (name, world size, config, how it saves)
 CHAIN = [
     ("dp2_sharded", 2, {"shard_optimizer_state": True}, "partial"),
@@ -325,25 +320,13 @@ CHAIN = [
 TOL = dict(rtol=2e-4, atol=2e-5)
 
 
-def _gpt(seed: int):
-    torch.manual_seed(seed)
-    return GPT(dataclasses.replace(tiny_gpt_config(), n_layer=LAYERS))
-
-
-def _global_batch(step: int):
-    cfg = tiny_gpt_config()
-    g = torch.Generator().manual_seed(4242 + step)
-    tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
 def _chain_worker(directory: str, index: int):
     import smp
 
     name, _, config, saves = CHAIN[index]
     smp.init({**config, "microbatches": 2})
     # Resumed segments start from other weights: the checkpoint must replace them.
-    module = _gpt(0 if index == 0 else 100 + index)
+    module = _gpt(LAYERS, seed=0 if index == 0 else 100 + index)
     if config.get("tensor_parallel_degree", 1) > 1:
         split_gpt_blocks(smp, module)
     model = smp.DistributedModel(module)
@@ -359,12 +342,10 @@ def _chain_worker(directory: str, index: int):
             kept_after_resume = held == kept if kept is not None else len(held)
     train_step = gpt_train_step(smp)
     losses = []
-    n, r = smp.dp_size(), smp.dp_rank()
+    n = smp.dp_size()
     for step in range(index * SEGMENT, (index + 1) * SEGMENT):
-        x, y = _global_batch(step)
-        per = BATCH // n
         optimizer.zero_grad()
-        loss = train_step(model, x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+        loss = train_step(model, *_my_share(smp, step))
         losses.append(sum(smp.allgather(loss.reduce_mean().item(), smp.DP_GROUP)) / n)
         optimizer.step()
     kept = optimizer._state_kept()
@@ -378,20 +359,6 @@ def _chain_worker(directory: str, index: int):
         )
     full = model.state_dict()
     return losses, (full if smp.rank() == 0 else None), stray, kept_after_resume
-
-
-def _reference(steps: int):
-    model = _gpt(0)
-    optimizer = parity_adamw(model.parameters())
-    losses = []
-    for step in range(steps):
-        optimizer.zero_grad()
-        x, y = _global_batch(step)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
 
 
 def test_checkpoints_and_full_state_move_across_dp_degrees(pools, tmp_path):
