@@ -1,24 +1,29 @@
 """Memory per rank with the memory savers off and on: the demo GPT (default ~300 M parameters:
-24 layers, hidden 1024, byte vocabulary) on 4 gloo processes, at pp 2 x dp 2 and tp 2 x dp 2,
-AdamW, two training steps per configuration (one launch each, so each peak is its own).
+24 layers, hidden 1024, byte vocabulary) on 4 gloo processes, at pp 2 x dp 2 and tp 2 x dp 2
+(and dp 4 for sharded data parallelism), AdamW, two training steps per configuration (one
+launch each, so each peak is its own).
 
 Counted exactly from the tensors on each rank after the second step: the parameters it holds,
 their gradients, the optimizer state; the *ideal share* is the whole model's bytes divided by
 the ranks that split it (pp x tp) and, for sharded optimizer state, by the data-parallel
-ranks holding the same parameters too. With activation checkpointing: the bytes the
-checkpointed blocks keep per microbatch (their saved inputs) against the block-boundary
-tensors (one microbatch x sequence x hidden float32 tensor per block this rank runs). Also the
-process's peak resident memory, and how far it rose above the process's before the model was
-built, up to the end of the partition (building, wrapping, tracing, partitioning: the whole
-model on every rank, unless built under ``smp.delay_param_initialization``, the
-``delayed_init`` row), against the rank's parameter share.
+ranks holding the same parameters too (for sharded data parallelism, with
+``sharded_data_parallel_degree`` = those ranks, parameters, gradients and state alike). With
+activation checkpointing: the bytes the checkpointed blocks keep per microbatch (their saved
+inputs) against the block-boundary tensors (one microbatch x sequence x hidden float32 tensor
+per block this rank runs). Also the process's peak resident memory, and how far it rose above
+the process's before the model was built, up to the end of the partition (building, wrapping,
+tracing, partitioning: the whole model on every rank, unless built under
+``smp.delay_param_initialization``, the ``delayed_init`` rows), against the rank's parameter
+share.
 
-    .venv/bin/python benchmarks/memory.py [--layers 24] [--hidden 1024] [--json out.json]
+    .venv/bin/python benchmarks/memory.py [--layers 24] [--hidden 1024] [--layouts pp2xdp2,...]
+        [--savers off,...] [--runs dp4/sharded_dp,...] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import resource
 import sys
@@ -32,21 +37,29 @@ sys.path.insert(0, str(ROOT / "examples" / "gpt"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _launch import run_ranks  # noqa: E402
 
-LAYOUTS = {"pp2xdp2": (2, 1), "tp2xdp2": (1, 2)}
-SAVERS = {  # (activation checkpointing, shard_optimizer_state, delayed initialisation)
-    "off": (False, False, False),
-    "checkpointing": (True, False, False),
-    "shard_optimizer_state": (False, True, False),
-    "both": (True, True, False),
-    "delayed_init": (False, False, True),  # pp layouts only (not with tensor parallelism yet)
+LAYOUTS = {"pp2xdp2": (2, 1), "tp2xdp2": (1, 2), "dp4": (1, 1)}
+SAVERS = {  # (activation checkpointing, shard_optimizer_state, delayed init, sharded dp)
+    "off": (False, False, False, False),
+    "checkpointing": (True, False, False, False),
+    "shard_optimizer_state": (False, True, False, False),
+    "both": (True, True, False, False),
+    "delayed_init": (False, False, True, False),
+    # sharded_data_parallel_degree = every data-parallel rank holding the same parameters
+    # (not with pipeline parallelism)
+    "sharded_dp": (False, False, False, True),
+    "sharded_dp_delayed_init": (False, False, True, True),
 }
+# dp 4 runs the sharded rows only: four whole models with their AdamW state do not fit here.
 
 
 def _nbytes(tensors) -> int:
+    from smp.sharded import local_part
+
     seen = {}
     for t in tensors:
         if t is not None and t.numel() > 0:
-            seen[id(t)] = t.numel() * t.element_size()
+            local = local_part(t)  # a sharded data parallel tensor: this rank's chunk
+            seen[id(t)] = local.numel() * local.element_size()
     return sum(seen.values())
 
 
@@ -62,12 +75,17 @@ def _worker(rank: int, layout: str, saver: str, layers: int, hidden: int, seq: i
     from smp import activations
 
     pp, tp = LAYOUTS[layout]
-    checkpointing, sharded, delay = SAVERS[saver]
+    checkpointing, sharded, delay, sdp = SAVERS[saver]
     microbatches, batch = 2, 4
+    rdp = 4 // (pp * tp)
     smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True,
-              "microbatches": microbatches, "shard_optimizer_state": sharded})  # fmt: skip
+              "microbatches": microbatches, "shard_optimizer_state": sharded,
+              "sharded_data_parallel_degree": rdp if sdp else 1})  # fmt: skip
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=seq, n_layer=layers, n_head=16, n_embd=hidden)
+    if sdp:  # FSDP2 and DTensor's modules (about 40 MiB) belong to the process baseline
+        importlib.import_module("torch.distributed.fsdp")
+        importlib.import_module("torch.distributed.tensor")
     baseline = _rss_peak()
     with smp.delay_param_initialization(enabled=delay):
         net = GPT(cfg)
@@ -114,13 +132,13 @@ def _worker(rank: int, layout: str, saver: str, layers: int, hidden: int, seq: i
     )
     boundary = owned_blocks * (batch // microbatches) * seq * hidden * 4
     # AdamW keeps exp_avg and exp_avg_sq (each the parameter's size) and a scalar step.
-    ideal_state = 2 * total_params / (pp * tp) / (smp.rdp_size() if sharded else 1)
+    ideal_state = 2 * total_params / (pp * tp) / (smp.rdp_size() if sharded or sdp else 1)
     mine = {
         "rank": rank,
         "params": _nbytes(params),
         "grads": _nbytes([p.grad for p in params]),
         "optimizer": optimizer.state_bytes(),
-        "ideal_params": total_params / (pp * tp),
+        "ideal_params": total_params / (pp * tp) / (smp.rdp_size() if sdp else 1),
         "ideal_optimizer": ideal_state,
         "kept_per_microbatch": kept[0] / microbatches,
         "block_boundaries": boundary if checkpointing else 0,
@@ -139,43 +157,51 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--layouts", default="pp2xdp2,tp2xdp2")
     parser.add_argument("--savers", default=",".join(SAVERS))
+    parser.add_argument("--runs", help="layout/saver pairs instead, e.g. dp4/sharded_dp,...")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = {}
-    for layout in args.layouts.split(","):
-        for saver in args.savers.split(","):
-            ranks = run_ranks(_worker, 4, layout, saver, args.layers, args.hidden, args.seq)
-            results[f"{layout}/{saver}"] = ranks
-            total = ranks[0]["total_params_bytes"]
-            print(f"{layout}, {saver} (model {total / 4e6:.0f} M parameters):", flush=True)
-            for r in ranks:
-                static = r["params"] + r["grads"] + r["optimizer"]
-                ideal = 2 * r["ideal_params"] + r["ideal_optimizer"]
-                line = (
-                    f"  rank {r['rank']}: params {r['params'] / 2**20:7.1f} MiB, grads "
-                    f"{r['grads'] / 2**20:7.1f} MiB, optimizer {r['optimizer'] / 2**20:7.1f} MiB"
-                    f" = {static / ideal:.3f} x the ideal share; peak RSS "
-                    f"{r['peak_rss'] / 2**30:.2f} GiB"
-                )
-                if r["block_boundaries"]:
-                    line += (
-                        f"; kept per microbatch {r['kept_per_microbatch'] / 2**20:.1f} MiB = "
-                        f"{r['kept_per_microbatch'] / r['block_boundaries']:.3f} x the block "
-                        "boundaries"
-                    )
-                print(line, flush=True)
-            shares = [
-                r["construction_peak_above_baseline"] / r["params"] for r in ranks if r["params"]
-            ]
-            print(
-                "  building, wrapping and partitioning (to the partition's end): peak resident "
-                "memory above the process's before construction = "
-                + ", ".join(f"{x:.2f}" for x in shares)
-                + " x each rank's parameter share",
-                flush=True,
+    runs = (
+        [tuple(run.split("/")) for run in args.runs.split(",")]
+        if args.runs
+        else [
+            (layout, saver)
+            for layout in args.layouts.split(",")
+            for saver in args.savers.split(",")
+            if not (LAYOUTS[layout][0] > 1 and SAVERS[saver][3])  # sharded dp: not with pp
+        ]
+    )
+    for layout, saver in runs:
+        ranks = run_ranks(_worker, 4, layout, saver, args.layers, args.hidden, args.seq)
+        results[f"{layout}/{saver}"] = ranks
+        total = ranks[0]["total_params_bytes"]
+        print(f"{layout}, {saver} (model {total / 4e6:.0f} M parameters):", flush=True)
+        for r in ranks:
+            static = r["params"] + r["grads"] + r["optimizer"]
+            ideal = 2 * r["ideal_params"] + r["ideal_optimizer"]
+            line = (
+                f"  rank {r['rank']}: params {r['params'] / 2**20:7.1f} MiB, grads "
+                f"{r['grads'] / 2**20:7.1f} MiB, optimizer {r['optimizer'] / 2**20:7.1f} MiB"
+                f" = {static / ideal:.3f} x the ideal share; peak RSS "
+                f"{r['peak_rss'] / 2**30:.2f} GiB"
             )
+            if r["block_boundaries"]:
+                line += (
+                    f"; kept per microbatch {r['kept_per_microbatch'] / 2**20:.1f} MiB = "
+                    f"{r['kept_per_microbatch'] / r['block_boundaries']:.3f} x the block "
+                    "boundaries"
+                )
+            print(line, flush=True)
+        shares = [r["construction_peak_above_baseline"] / r["params"] for r in ranks if r["params"]]
+        print(
+            "  building, wrapping and partitioning (to the partition's end): peak resident "
+            "memory above the process's before construction = "
+            + ", ".join(f"{x:.2f}" for x in shares)
+            + " x each rank's parameter share",
+            flush=True,
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

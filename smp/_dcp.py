@@ -64,6 +64,45 @@ class _Chunks:
             pieces.append(local.narrow(dim, block * rows, rows))
         return cls(torch.Size(full), offsets, pieces)
 
+    @classmethod
+    def of_rows(
+        cls,
+        local: torch.Tensor,
+        row: int,
+        whole: torch.Size,
+        split: tuple[int, int] | None,
+        n: int,
+        r: int,
+    ) -> _Chunks:
+        """Rows ``[row, row + len(local))`` of a tensor of shape ``whole`` (a sharded data
+        parallel chunk, design.md §7e), that tensor being this TP rank's shard (``split``) of
+        the full one, or the full one itself (``split`` None)."""
+        if split is None:
+            split, n, r = (0, 1), 1, 0
+        dim, fused = split
+        full = list(whole)
+        full[dim] *= n
+        block_rows = whole[dim] // fused  # this TP rank's rows of one fused block
+        offsets, pieces = [], []
+        for block in range(fused):
+            offset = [0] * len(whole)
+            offset[dim] = block * (full[dim] // fused) + r * block_rows
+            if dim == 0:  # the block's rows that fall in this chunk
+                lo = max(block * block_rows, row)
+                hi = min((block + 1) * block_rows, row + local.size(0))
+                if hi <= lo:
+                    continue
+                offset[0] += lo - block * block_rows
+                piece = local.narrow(0, lo - row, hi - lo)
+            else:
+                if local.size(0) == 0:
+                    continue
+                offset[0] = row
+                piece = local.narrow(dim, block * block_rows, block_rows)
+            offsets.append(torch.Size(offset))
+            pieces.append(piece)
+        return cls(torch.Size(full), offsets, pieces)
+
     def write_items(self, fqn: str) -> list[WriteItem]:
         return [
             WriteItem(

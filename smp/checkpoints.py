@@ -71,10 +71,15 @@ def _tp(state) -> tuple[int, int]:
 
 def _entry(value: Any, param: torch.Tensor | None, state) -> Any:
     """``value`` as DCP sees it: the chunks of the full tensor when it is a TP shard shaped
-    like its split parameter ``param``, else itself."""
+    like its split parameter ``param`` or a sharded data parallel chunk, else itself."""
+    from smp import sharded
     from smp._dcp import _Chunks
 
     split = getattr(param, "_smp_tp_split", None)
+    if sharded.is_sharded(value):  # a sharded data parallel chunk (of a TP shard)
+        local, row, _ = sharded.chunk_box(value)
+        tp = split is not None and value.shape == param.shape and _tp(state)[0] > 1
+        return _Chunks.of_rows(local, row, value.shape, split if tp else None, *_tp(state))
     if (
         split is not None
         and isinstance(value, torch.Tensor)

@@ -99,6 +99,10 @@ class Config:
     """All ranks of a TP group receive the same batch (Megatron semantics)."""
     shard_optimizer_state: bool = False
     """Shard optimizer state across the data-parallel ranks holding the same parameters."""
+    sharded_data_parallel_degree: int = 1
+    """Shard parameters, gradients and optimizer state over this many of the data-parallel ranks
+    holding the same parameters (FSDP2); it divides their number, and the sharding groups
+    replicate one another beyond it (design.md §7e)."""
     offload_activations: bool = False
     """Move checkpointed activations to host memory, bring them back before backward."""
     activation_loading_horizon: int = 4
@@ -124,6 +128,7 @@ class Config:
         _check_int("tensor_parallel_degree", self.tensor_parallel_degree, 1)
         _check_int("microbatches", self.microbatches, 1)
         _check_int("activation_loading_horizon", self.activation_loading_horizon, 1)
+        _check_int("sharded_data_parallel_degree", self.sharded_data_parallel_degree, 1)
         _check_int("tensor_parallel_seed", self.tensor_parallel_seed, 0)
         _check_int("default_partition", self.default_partition, 0, pp)
         for f in dataclasses.fields(self):
@@ -194,6 +199,30 @@ class Config:
                 'smp config: "fp16" and "bf16" are mutually exclusive, '
                 "got both True; enable at most one"
             )
+        if self.sharded_data_parallel_degree > 1:
+            self._check_sharded()
+
+    def _check_sharded(self) -> None:
+        sdp = self.sharded_data_parallel_degree
+        if self.shard_optimizer_state:
+            raise ValueError(
+                f'smp config: "shard_optimizer_state" and "sharded_data_parallel_degree" ({sdp}) '
+                "both shard the optimizer state; sharded data parallelism also shards "
+                'parameters and gradients: drop "shard_optimizer_state"'
+            )
+        if self.pipeline_parallel_degree > 1:
+            raise NotImplementedError(
+                f'smp config: "sharded_data_parallel_degree" ({sdp}) with '
+                f'"pipeline_parallel_degree" ({self.pipeline_parallel_degree}) is not built yet '
+                "(as in SMP v1, sharded data parallelism composes with tensor and data "
+                'parallelism); use "shard_optimizer_state" with pipeline parallelism, or '
+                "pipeline_parallel_degree 1"
+            )
+        if self.fp16:
+            raise NotImplementedError(
+                f'smp config: "fp16" with "sharded_data_parallel_degree" ({sdp}) is not built '
+                'yet (the loss scaler does not unscale sharded gradients); use "bf16", or fp32'
+            )
 
     @property
     def placement_order(self) -> str:
@@ -234,12 +263,23 @@ _V1_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         'outputs go straight to the stage that takes them ("pipeline_async_calls")',
     ),
     "checkpoint_attentions": (bool, "activation checkpointing is not built yet"),
-    "sharded_data_parallel_degree": (int, "sharded data parallelism is not built yet"),
-    "sdp_reduce_bucket_size": ((int, float), "used by sharded data parallelism only"),
-    "sdp_param_persistence_threshold": ((int, float), "used by sharded data parallelism only"),
-    "sdp_max_live_parameters": ((int, float), "used by sharded data parallelism only"),
-    "sdp_hierarchical_allgather": (bool, "used by sharded data parallelism only"),
-    "sdp_gradient_clipping": ((int, float), "used by sharded data parallelism only"),
+    "sdp_reduce_bucket_size": (
+        (int, float),
+        "FSDP2 reduces each sharded block's gradients in one reduce-scatter",
+    ),
+    "sdp_param_persistence_threshold": (
+        (int, float),
+        "every parameter is sharded, small ones included",
+    ),
+    "sdp_max_live_parameters": (
+        (int, float),
+        "one sharded block is gathered at a time (FSDP2 prefetches the next)",
+    ),
+    "sdp_hierarchical_allgather": (bool, "parameters are gathered over the sharding group"),
+    "sdp_gradient_clipping": (
+        (int, float),
+        "call optimizer.clip_grad_norm_(max_norm) in the step instead",
+    ),
     "task_level_activation_loading_horizon": (int, "v1-internal; no effect in smp"),
     "_shard_offloaded_activations": (bool, "v1-internal; no effect in smp"),
     "_fp32_grad_accumulation": (bool, "v1-internal; no effect in smp"),
@@ -252,7 +292,6 @@ _V1_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
 # Values that ask for something not built yet: they fail, naming it, instead of being ignored.
 _V1_UNBUILT = {
     "checkpoint_attentions": lambda v: v is True,
-    "sharded_data_parallel_degree": lambda v: v != 1,
 }
 
 
@@ -368,6 +407,14 @@ def build_config(user: Mapping[str, Any] | None, world_size: int | None = None) 
                 f'smp config: "ddp" must be True when world size {world_size} exceeds '
                 f"pipeline_parallel_degree x tensor_parallel_degree = {mp} (data parallelism "
                 f"over the extra ranks), got False; set ddp=True or launch {mp} processes"
+            )
+        sdp, rdp = config.sharded_data_parallel_degree, world_size // mp
+        if rdp % sdp:
+            raise ValueError(
+                f'smp config: "sharded_data_parallel_degree" ({sdp}) must divide the '
+                f"data-parallel ranks holding the same parameters (world size {world_size} / "
+                f"(pipeline x tensor parallel degree {mp}) = {rdp}); launch a multiple of "
+                f"{mp * sdp} processes or pick a divisor of {rdp}"
             )
     return config
 

@@ -239,6 +239,7 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         yield  # nested: the outer context records
         return
     recorder = _Recorder()
+    _mapped_alone()  # until DistributedModel has given the parameters their values
     with _patch_lock:
         _active += 1
         nn.Module.register_parameter = _register_parameter
@@ -288,14 +289,43 @@ def materialize(param: nn.Parameter, pool: dict | None = None) -> None:
     """Gives a delayed parameter its values (as eager construction would have), in a storage
     of ``pool`` ({(numel, dtype): [flat tensors]}) when one of its size is there."""
     record: Record = getattr(param, _PROGRAM)
-    free = (pool or {}).get((record.numel, record.dtype))
     with torch.no_grad():
+        if isinstance(record, Derived):  # into a storage of its shard's size, if one is free
+            free = (pool or {}).get((record.source.numel // record.size, record.dtype))
+            param.data = record.replay(free.pop() if free else None, pool).to(param.device)
+            return
+        free = (pool or {}).get((record.numel, record.dtype))
         param.data = record.replay(free.pop() if free else None).to(param.device)
 
 
-def release(param: nn.Parameter) -> None:
-    """Takes a materialised delayed parameter's values away again (size-0 storage)."""
+def recycle(tensors: list[torch.Tensor], pool: dict) -> None:
+    """Puts the storages of ``tensors`` (values nothing uses any more) into ``pool`` for
+    :func:`materialize` to replay into: a process that frees and allocates large tensors one
+    after another does not get its freed memory back (design.md §7d)."""
+    for t in tensors:
+        flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+        pool.setdefault((flat.numel(), flat.dtype), []).append(flat)
+
+
+def release(param: nn.Parameter, pool: dict | None = None) -> None:
+    """Takes a materialised delayed parameter's values away again (size-0 storage); its storage
+    goes to ``pool`` when given (:func:`recycle`)."""
+    if pool is not None:
+        recycle([param.detach()], pool)
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+# Storages the tensor-parallel conversions replay into (see converting); DistributedModel takes
+# them over once every module is converted (take_conversion_pool).
+_conversion_pool: dict = {}
+
+
+def take_conversion_pool(into: dict) -> None:
+    """Moves one storage of each size the conversions left into ``into`` (replaying a shard
+    needs one whole tensor at a time); frees the others."""
+    for key, storages in _conversion_pool.items():
+        into.setdefault(key, []).extend(storages[:1])
+    _conversion_pool.clear()
 
 
 @contextlib.contextmanager
@@ -335,6 +365,52 @@ def materialized_while_called(module: nn.Module, pool: dict) -> Iterator[None]:
             post(m)
 
 
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_returning = [0]  # depth of returning_memory contexts
+
+
+def _glibc():
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "mallopt") else None
+
+
+@contextlib.contextmanager
+def returning_memory(enabled: bool = True) -> Iterator[None]:
+    """Inside, every allocation of 1 MiB or more is mapped on its own and goes back to the
+    operating system when freed (glibc's ``mallopt(M_MMAP_THRESHOLD)``). Giving delayed
+    parameters their values allocates and frees whole weights one after another; glibc's
+    default moves large allocations onto its heap after the first frees, and there freed
+    weights interleaved with kept shards stay in the process (measured at tp 2: the whole
+    model's size again, design.md §7d). Afterwards the threshold is 32 MiB, the ceiling glibc's
+    own adjustment reaches. Without glibc, nothing changes."""
+    libc = _glibc() if enabled else None
+    if libc is None:
+        yield
+        return
+    _mapped_alone(libc)
+    _returning[0] += 1
+    try:
+        yield
+    finally:
+        _returning[0] -= 1
+        if _returning[0] == 0:
+            libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+
+
+def _mapped_alone(libc=None) -> None:
+    """Allocations of 1 MiB or more mapped on their own from now on, until the outermost
+    :func:`returning_memory` ends. Building a delayed model starts it too: recording frees and
+    allocates scratch tensors, and what glibc's heap takes then stays (measured)."""
+    libc = libc or _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+
+
 def waiting(p: torch.Tensor) -> bool:
     return getattr(p, _PROGRAM, None) is not None and p.numel() == 0
 
@@ -347,14 +423,23 @@ class Derived:
         self.source, self.split, self.size, self.rank = source, split, size, rank
         self.name = source.name
 
-    def replay(self, base: torch.Tensor | None = None) -> torch.Tensor:
+    def replay(self, base: torch.Tensor | None = None, pool: dict | None = None) -> torch.Tensor:
+        """This rank's shard (in ``base`` when its size fits); the whole source replays into a
+        storage of ``pool`` when one of its size is there, and goes back to it after."""
         from smp.nn.functional import shard_tensor
 
-        full = self.source.replay()
+        key = (self.source.numel, self.source.dtype)
+        free = (pool or {}).get(key)
+        flat = free.pop() if free else torch.empty(self.source.numel, dtype=self.source.dtype)
+        full = self.source.replay(flat)
         shard = shard_tensor(full, self.split[0], self.split[1], self.size, self.rank)
         if base is None or base.numel() != shard.numel():
-            return shard.clone()
-        return base.view(shard.shape).copy_(shard)
+            out = shard.clone()
+        else:
+            out = base.view(shard.shape).copy_(shard)
+        if pool is not None:
+            pool.setdefault(key, []).append(flat)
+        return out
 
     @property
     def numel(self) -> int:
@@ -380,8 +465,9 @@ def converting(module: nn.Module, size: int, rank: int) -> Iterator[dict]:
         yield out
         return
     records = {name: getattr(p, _PROGRAM) for name, p in before.items()}
+    pool = _conversion_pool
     for p in before.values():
-        materialize(p)
+        materialize(p, pool)
     kept: set[int] = set()  # converted values a record would not give back
     try:
         yield out
@@ -392,12 +478,34 @@ def converting(module: nn.Module, size: int, rank: int) -> Iterator[dict]:
                 continue
             split = getattr(p, "_smp_tp_split", None)
             derived = record if split is None else Derived(record, split, size, rank)
-            if torch.equal(derived.replay(), p.detach()):
+            if _replays_to(derived, p.detach(), pool):
                 setattr(p, _PROGRAM, derived)
-                release(p)
+                release(p)  # the conversion's own tensor: freed, not reused
             else:
                 kept.add(id(p))
     finally:
+        # A storage a converted parameter still uses (a view kept as it is) is not reused.
+        new = out.get("new")
+        live = {
+            q.untyped_storage().data_ptr()
+            for q in (new.parameters() if new is not None else ())
+            if q.numel() > 0
+        }
         for p in before.values():
             if p.numel() > 0 and id(p) not in kept:
-                release(p)
+                shared = p.untyped_storage().data_ptr() in live
+                release(p, None if shared else pool)
+
+
+def _replays_to(record: Record | Derived, value: torch.Tensor, pool: dict) -> bool:
+    """Whether ``record`` replays to ``value`` (replayed into a storage of ``pool``)."""
+    if isinstance(record, Derived):
+        replayed = record.replay(None, pool)
+        return torch.equal(replayed, value)
+    key = (record.numel, record.dtype)
+    free = pool.get(key)
+    flat = free.pop() if free else torch.empty(record.numel, dtype=record.dtype)
+    try:
+        return torch.equal(record.replay(flat), value)
+    finally:
+        pool.setdefault(key, []).append(flat)

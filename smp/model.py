@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import _C, delayed, offload
+from smp import _C, delayed, offload, sharded
 from smp.state import get_state
 
 __all__ = ["DistributedModel", "PARTIAL_KEY"]
@@ -98,81 +98,105 @@ class DistributedModel(nn.Module):
         cfg = state.config
         # Delayed parameter initialisation: meta parameters become size-0 placeholders now;
         # each rank gives values to those it owns once the partition is known (design.md §7d).
-        self._delayed = delayed.has_delayed(module)
-        self._delayed_pool: dict = {}  # storages tracing freed, reused by _materialize_owned
-        delayed.placeholders(module)
-        self.distributed_modules = _Paths()  # paths replaced by tensor-parallel versions
-        if cfg.tensor_parallel_degree > 1:
-            from smp.nn.lm_head import distribute_lm_head
-            from smp.tensor_parallel import distribute_marked_modules
+        # Giving delayed parameters their values frees and allocates whole weights in turn.
+        with delayed.returning_memory(delayed.has_delayed(module)):
+            self._delayed = delayed.has_delayed(module)
+            self._delayed_pool: dict = {}  # storages tracing freed, reused by _materialize_owned
+            delayed.placeholders(module)
+            self.distributed_modules = _Paths()  # paths replaced by tensor-parallel versions
+            if cfg.tensor_parallel_degree > 1:
+                from smp.nn.lm_head import distribute_lm_head
+                from smp.tensor_parallel import distribute_marked_modules
 
-            # A causal LM's head (and its tied input embedding) first: the two are split
-            # together, along the vocabulary, which the module-by-module walk cannot do.
-            heads, why_not = distribute_lm_head(module, state.groups["tp"])
-            if why_not is not None:
-                warnings.warn(
-                    f"smp: the output head of {type(module).__name__} is marked for tensor "
-                    f"parallelism but is not split along the vocabulary: {why_not}",
-                    stacklevel=2,
+                # A causal LM's head (and its tied input embedding) first: the two are split
+                # together, along the vocabulary, which the module-by-module walk cannot do.
+                heads, why_not = distribute_lm_head(module, state.groups["tp"])
+                if why_not is not None:
+                    warnings.warn(
+                        f"smp: the output head of {type(module).__name__} is marked for tensor "
+                        f"parallelism but is not split along the vocabulary: {why_not}",
+                        stacklevel=2,
+                    )
+                module, self.distributed_modules = distribute_marked_modules(
+                    module, state.groups["tp"]
                 )
-            module, self.distributed_modules = distribute_marked_modules(module, state.groups["tp"])
-            self.distributed_modules = _Paths(heads + self.distributed_modules, module)
-            if state.rank == 0 and self.distributed_modules:
-                logger.info(
-                    "smp: %d module(s) split over tensor_parallel_degree %d: %s",
-                    len(self.distributed_modules),
-                    cfg.tensor_parallel_degree,
-                    ", ".join(self.distributed_modules[:8])
-                    + (" ..." if len(self.distributed_modules) > 8 else ""),
-                )
-        from smp.tensor_parallel import alias_layer_lists
+                delayed.take_conversion_pool(self._delayed_pool)
+                self.distributed_modules = _Paths(heads + self.distributed_modules, module)
+                if state.rank == 0 and self.distributed_modules:
+                    logger.info(
+                        "smp: %d module(s) split over tensor_parallel_degree %d: %s",
+                        len(self.distributed_modules),
+                        cfg.tensor_parallel_degree,
+                        ", ".join(self.distributed_modules[:8])
+                        + (" ..." if len(self.distributed_modules) > 8 else ""),
+                    )
+            from smp.tensor_parallel import alias_layer_lists
 
-        alias_layer_lists(module)  # v1's `seq_layers` name for a marked model's layer list
-        self.module = module.to(state.device)
-        self.trace_device = trace_device
-        self.trace_execution_times = trace_execution_times
-        self.trace_memory_usage = trace_memory_usage
-        self.average_grads_across_microbatches = average_grads_across_microbatches
-        self.backward_passes_per_step = backward_passes_per_step
-        self.broadcast_buffers = broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
-        self.overlapping_allreduce = overlapping_allreduce
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self._partition_plan = None
-        self._runtime = None  # the pipeline runtime, once partitioned with pp > 1
-        # An OrderedDict: torch's RemovableHandle holds it weakly (a plain dict cannot be).
-        self._post_partition_hooks: collections.OrderedDict[int, Callable] = (
-            collections.OrderedDict()
-        )
+            alias_layer_lists(module)  # v1's `seq_layers` name for a marked model's layer list
+            self.module = module.to(state.device)
+            self.trace_device = trace_device
+            self.trace_execution_times = trace_execution_times
+            self.trace_memory_usage = trace_memory_usage
+            self.average_grads_across_microbatches = average_grads_across_microbatches
+            self.backward_passes_per_step = backward_passes_per_step
+            self.broadcast_buffers = broadcast_buffers
+            self.find_unused_parameters = find_unused_parameters
+            self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
+            self.overlapping_allreduce = overlapping_allreduce
+            self.gradient_as_bucket_view = gradient_as_bucket_view
+            self._partition_plan = None
+            self._runtime = None  # the pipeline runtime, once partitioned with pp > 1
+            # An OrderedDict: torch's RemovableHandle holds it weakly (a plain dict cannot be).
+            self._post_partition_hooks: collections.OrderedDict[int, Callable] = (
+                collections.OrderedDict()
+            )
 
-        # Unique trainable parameters in a fixed order (shared parameters once): the order of the
-        # gradient all-reduce, identical on every rank.
-        self._grad_params = [p for p in _unique_parameters(self.module) if p.requires_grad]
-        self._stash: list[torch.Tensor | None] | None = None
-        self._grad_marks: list[tuple[torch.Tensor | None, int | None]] = []  # at _begin_step
-        self._window_position = 0
-        # Buffers (qualified names) that a step has changed in place: saved before each step so
-        # that a step can run again (smp.step, design.md §4c).
-        self._changing_buffers: set[str] = set()
-        self._step_backward_count = 0
-        self._grad_union: list[int] | None = None
-        self._step_count = 0
-        self._join: _Join | None = None  # inside `with model.join():`
-        self._comm_hook: tuple[Any, Callable] | None = None  # (state, hook)
-        self._deferred_load: tuple | None = None  # a partial state dict given before partition
+            # Unique trainable parameters in a fixed order (shared parameters once): the order of
+            # the gradient all-reduce, identical on every rank.
+            self._grad_params = [p for p in _unique_parameters(self.module) if p.requires_grad]
+            self._stash: list[torch.Tensor | None] | None = None
+            self._grad_marks: list[tuple[torch.Tensor | None, int | None]] = []  # at _begin_step
+            self._window_position = 0
+            # Buffers (qualified names) that a step has changed in place: saved before each step so
+            # that a step can run again (smp.step, design.md §4c).
+            self._changing_buffers: set[str] = set()
+            self._step_backward_count = 0
+            self._grad_union: list[int] | None = None
+            self._step_count = 0
+            self._join: _Join | None = None  # inside `with model.join():`
+            self._comm_hook: tuple[Any, Callable] | None = None  # (state, hook)
+            self._deferred_load: tuple | None = None  # a partial state dict given before partition
 
-        self._after_partition: list[Callable[[], None]] = []  # e.g. a checkpoint to load
+            self._after_partition: list[Callable[[], None]] = []  # e.g. a checkpoint to load
 
-        # One stage: everything is already where it runs. With pp > 1 the first smp.step traces
-        # the model and partitions it (see _partition).
-        self.partitioned = cfg.pipeline_parallel_degree == 1
-        if self.partitioned:
-            self._materialize_owned()
-        _check_replicas_match(self.module)
-        self._broadcast_model(lambda group: 0)
-        state.models.append(self)
-        self._tracing = False
+            # One stage: everything is already where it runs. With pp > 1 the first smp.step traces
+            # the model and partitions it (see _partition).
+            self.partitioned = cfg.pipeline_parallel_degree == 1
+            # Sharded data parallelism: FSDP2 over the sharding mesh, once every replica holds the
+            # same values (design.md §7e). Its parameters are new objects: the list is rebuilt.
+            self._sharded_units: list[nn.Module] = []
+            if self.partitioned and self._delayed and sharded.enabled():
+                # Delayed parameters get their values one block at a time, each block sharded
+                # before the next one's are made: no rank holds more than one block whole.
+                _check_replicas_match(self.module)
+                self._broadcast_model(lambda group: 0)  # buffers (the parameters are empty yet)
+                self._grad_params, self._replayed_crc, self._unsharded = [], 0, []
+                self._sharded_units = sharded.shard_module(self.module, self._materialize_block)
+                self._unsharded = []
+                self._delayed_pool.clear()
+                self._check_replayed_agree()
+            else:
+                if self.partitioned:
+                    self._materialize_owned()
+                _check_replicas_match(self.module)
+                self._broadcast_model(lambda group: 0)
+                if sharded.enabled():
+                    self._grad_params = []  # the unsharded parameters go as each block is sharded
+                    self._sharded_units = sharded.shard_module(self.module)
+            if self._sharded_units:
+                self._grad_params = [p for p in _unique_parameters(self.module) if p.requires_grad]
+            state.models.append(self)
+            self._tracing = False
 
     # ---- use inside a step -------------------------------------------------------------------
 
@@ -189,6 +213,13 @@ class DistributedModel(nn.Module):
         if not state.in_step:
             raise RuntimeError(
                 "model.backward(loss) must be called inside a function decorated with @smp.step"
+            )
+        if not any(m is self for m in state.step_models):
+            # Its gradients would be neither reduced over data parallelism nor averaged.
+            raise RuntimeError(
+                "model.backward: this DistributedModel is not an argument of the @smp.step "
+                "function; pass it in (e.g. `def train_step(model, x, y)` called as "
+                "`train_step(model, x, y)`) so that smp reduces its gradients after the step"
             )
         scale = getattr(state, "loss_scale", 1.0) if state.config.fp16 else 1.0
         if scale != 1.0:  # fp16: the loss scale (smp.DistributedOptimizer unscales)
@@ -249,7 +280,10 @@ class DistributedModel(nn.Module):
         call it; each stage contributes its part.
         """
         if self._runtime is None:
-            return self._unshard_tp(self.module.state_dict(*args, **kwargs))
+            local = self.module.state_dict(*args, **kwargs)
+            if self._sharded_units:  # whole tensors, in key order on every rank
+                local = type(local)((k, sharded.full(v)) for k, v in local.items())
+            return self._unshard_tp(local)
         state = get_state()
         local = self._unshard_tp(self._local_state())  # full shapes, this stage's keys
         local = {k: v.detach().cpu() for k, v in local.items()}
@@ -273,9 +307,13 @@ class DistributedModel(nn.Module):
             return self._load_partial(state_dict, strict, assign)
         state_dict = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
         if self._runtime is None:
-            result = self.module.load_state_dict(
-                self._shard_tp(state_dict), strict=strict, assign=assign
-            )
+            mine = self._shard_tp(state_dict)
+            if self._sharded_units:  # this rank's chunk of each sharded parameter
+                current = self.module.state_dict()
+                mine = {
+                    k: sharded.like(v, current[k]) if k in current else v for k, v in mine.items()
+                }
+            result = self.module.load_state_dict(mine, strict=strict, assign=assign)
             self._refresh_masters()
             return result
         mine = self._shard_tp({k: v for k, v in state_dict.items() if self._owns(k)})
@@ -483,6 +521,12 @@ class DistributedModel(nn.Module):
                 "replica whose inputs ended would not take part in the optimizer steps of the "
                 "parameters it owns; give every replica the same number of steps instead"
             )
+        if self._sharded_units:
+            raise NotImplementedError(
+                "DistributedModel.join() does not work with sharded_data_parallel_degree > 1 "
+                "yet: a replica whose inputs ended would not take part in the gathers and "
+                "reductions of its sharding group; give every replica the same number of steps"
+            )
         self._join = _Join()
         finished = False
         try:
@@ -530,6 +574,11 @@ class DistributedModel(nn.Module):
             raise NotImplementedError(
                 "register_comm_hook is not available with tensor_parallel_degree > 1: a "
                 "tensor-parallel model reduces its gradients over two groups (dp and rdp)"
+            )
+        if self._sharded_units:
+            raise NotImplementedError(
+                "register_comm_hook is not available with sharded_data_parallel_degree > 1: "
+                "FSDP2 reduce-scatters the gradients during the backward"
             )
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook: a hook is registered already (one per model)")
@@ -590,7 +639,8 @@ class DistributedModel(nn.Module):
         self._runtime = PipelineRuntime(state, self.module, value.assignment, value.module_costs())
         self._release_remote_tensors()
         if self._delayed:  # this stage's parameters get their values, equal over dp
-            self._materialize_owned()
+            with delayed.returning_memory():
+                self._materialize_owned()
             self._broadcast_model(lambda group: None if self._replicas_agree(group) else 0)
         self._apply_deferred_load(state)
         pending, self._after_partition = self._after_partition, []
@@ -656,6 +706,34 @@ class DistributedModel(nn.Module):
         self._delayed_pool.clear()
         for optimizer in get_state().optimizers:  # float32 masters made from placeholders
             optimizer._refresh_masters(seen)
+
+    def _materialize_block(self, block: nn.Module) -> None:
+        """Gives ``block``'s delayed parameters their values (those not sharded yet), adding
+        them to this rank's CRC-32C of replayed values. The whole values of the block sharded
+        before it (each rank keeps its chunks) are replayed into again."""
+        delayed.recycle(self._unsharded, self._delayed_pool)
+        self._unsharded = []
+        for p in block.parameters():
+            if delayed.waiting(p):
+                delayed.materialize(p, self._delayed_pool)
+                data = p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+                self._replayed_crc = _C.crc32c(memoryview(data), self._replayed_crc)
+                self._unsharded.append(p.detach())
+
+    def _check_replayed_agree(self) -> None:
+        """Fails on every rank if the replayed parameters differ between the ranks that shard
+        them (each keeps its chunk of its own replay, so they must have replayed alike)."""
+        state = get_state()
+        crcs: list[Any] = [None] * state.axis_size("rdp")
+        dist.all_gather_object(crcs, self._replayed_crc, group=state.groups["rdp"])
+        if len(set(crcs)) > 1:
+            raise ValueError(
+                "smp.DistributedModel: with delayed_parameter_initialization and "
+                "sharded_data_parallel_degree > 1 every rank must build the model from the same "
+                "seed (each rank keeps its chunk of its own replay, nothing is broadcast); the "
+                f"replayed values differ between ranks {state.group_ranks['rdp']} (CRC-32C "
+                f"{crcs}): call torch.manual_seed(same value) on every rank before building it"
+            )
 
     def _replicas_agree(self, group: str) -> bool:
         """Whether every rank of ``group`` ("dp": parameters, "rdp": TP shards) holds the same
@@ -749,7 +827,11 @@ class DistributedModel(nn.Module):
         union = self._grad_union or self._grad_presence()
         # (group, divisor) -> gradients; see _reduction for the rule.
         batches: dict[tuple[str, int], list[torch.Tensor]] = {}
+        done_by_fsdp: list[torch.Tensor] = []
         for p, used in zip(self._grad_params, union):
+            if sharded.is_sharded(p):  # FSDP2 reduced it in the backward
+                done_by_fsdp.append(p)
+                continue
             if not used:
                 continue
             if p.grad is None:  # used on another rank only: contributes zeros here
@@ -757,6 +839,8 @@ class DistributedModel(nn.Module):
             elif not p.grad.is_contiguous():  # e.g. the gradient of a transposed parameter
                 p.grad = p.grad.contiguous()
             batches.setdefault(_reduction(p, state), []).append(p.grad)
+        if done_by_fsdp:
+            sharded.finish_grads(done_by_fsdp, lambda p: _reduction(p, state), num_mb)
         if self._comm_hook is not None:
             self._reduce_with_hook([g for grads in batches.values() for g in grads])
         else:

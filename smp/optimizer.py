@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from smp import sharded
 from smp.model import PARTIAL_KEY
 from smp.state import get_state
 
@@ -335,14 +336,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer state this rank holds (every tensor in ``self.state`` once):
-        with ``shard_optimizer_state``, this rank's shard. Float32 master weights of a
-        low-precision model are parameters of the optimizer, not state: not counted."""
+        with ``shard_optimizer_state`` or sharded data parallelism, this rank's shard. Float32
+        master weights of a low-precision model are parameters of the optimizer, not state:
+        not counted."""
         seen: set[int] = set()
         total = 0
         for entry in self.state.values():
             for value in entry.values():
                 if isinstance(value, torch.Tensor) and id(value) not in seen:
                     seen.add(id(value))
+                    value = sharded.local_part(value)  # a sharded one: this rank's chunk
                     total += value.numel() * value.element_size()
         return total
 
@@ -505,6 +508,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if owners is not None:  # each rank's own entries; masters from their owners too
             owned = set(self._owned_indices(owners))
             entries = {i: e for i, e in entries.items() if i in owned}
+        if sharded.enabled():  # whole tensors (collectives in index and key order)
+            entries = {
+                i: {k: sharded.full(v) for k, v in sorted(entries[i].items())}
+                for i in sorted(entries)
+            }
         entries = _unshard(entries, params, state)
         if owners is not None:
             entries = {i: {k: _cpu(v) for k, v in e.items()} for i, e in entries.items()}
@@ -547,7 +555,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params = self._params()
         live = {i for i, p in enumerate(params) if p.numel() > 0}
         entries = {i: e for i, e in state_dict["state"].items() if int(i) in live}
-        entries = self._load_masters(_shard(entries, params, state))
+        entries = _shard(entries, params, state)
+        if sharded.enabled():  # this rank's chunk of each sharded parameter's state
+            entries = {
+                i: {k: sharded.like(v, params[int(i)]) for k, v in e.items()}
+                for i, e in entries.items()
+            }
+        entries = self._load_masters(entries)
         if owners is not None and self._partitioned():
             # Before a partition the owners are not final: the first step drops the others.
             owned = set(self._owned_indices(owners))
@@ -603,9 +617,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             }
             grads = [g for g in grads if id(g) in shard_grads]
         device = grads[0].device if grads else state.device
+        grads = [sharded.local_part(g) for g in grads]  # a sharded one: this rank's chunk
         if math.isinf(norm_type):
             local = max((g.detach().abs().max() for g in grads), default=torch.zeros(()))
             total = local.to(device=device, dtype=torch.float32).reshape(1)
+            sharded.sum_over_shards(total, op=dist.ReduceOp.MAX)
             if state.axis_size("mp") > 1:
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=state.groups["mp"])
             norm = total[0]
@@ -613,13 +629,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             powers = [g.detach().float().norm(norm_type) ** norm_type for g in grads]
             total = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
             total = total.reshape(1)
+            sharded.sum_over_shards(total)
             if state.axis_size("mp") > 1:
                 dist.all_reduce(total, group=state.groups["mp"])
             norm = total[0] ** (1.0 / norm_type)
         coefficient = max_norm / (norm + 1e-6)
         if coefficient < 1:
             for g in all_grads:
-                g.detach().mul_(coefficient.to(g.dtype))
+                sharded.local_part(g).detach().mul_(coefficient.to(g.dtype))
         return norm
 
 

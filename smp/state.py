@@ -72,7 +72,8 @@ class State:
         backend: "gloo" or "nccl".
         device: where this rank's model lives (``cuda:<local_rank>`` with NCCL, else CPU).
         groups: {"world", "pp", "tp", "dp", "rdp", "mp"} -> this rank's torch process group
-            (plus "tp_order" with pp > 1 and tp > 1: see PipelineRuntime).
+            (plus "tp_order" with pp > 1 and tp > 1: see PipelineRuntime; "sdp" and
+            "sdp_replicate" with sharded_data_parallel_degree > 1).
         group_ranks: the same keys -> the world ranks of that group, ascending.
         owns_default_group: True when smp created the default process group (and so destroys it).
     """
@@ -108,6 +109,7 @@ class State:
         self.optimizers = _WeakList()
         # Step bookkeeping, set by smp.step while a step function runs.
         self.in_step = False
+        self.step_models: list = []  # the DistributedModels given to the running step
         self.microbatch: int | None = None
 
     def axis_rank(self, name: str) -> int:
@@ -286,6 +288,21 @@ def _build_groups(state: State, timeout: datetime.timedelta) -> None:
             if state.rank in ranks:
                 state.groups[name] = group
                 state.group_ranks[name] = list(ranks)
+    sdp = state.config.sharded_data_parallel_degree
+    if sdp > 1:
+        # Sharded data parallelism: each rdp group splits into sharding groups of ``sdp``
+        # consecutive members ("sdp"), which replicate one another ("sdp_replicate": the members
+        # at the same index of every sharding group). design.md §7e.
+        for ranks in state.topology.groups(_C.Axis.RDP):
+            ranks = sorted(ranks)
+            shards = [ranks[i : i + sdp] for i in range(0, len(ranks), sdp)]
+            for name, members in [("sdp", s) for s in shards] + [
+                ("sdp_replicate", list(column)) for column in zip(*shards)
+            ]:
+                group = dist.new_group(members, timeout=timeout)
+                if state.rank in members:
+                    state.groups[name] = group
+                    state.group_ranks[name] = members
     if state.topology.pp_size > 1 and state.topology.tp_size > 1:
         # The pipeline's TP ranks agree on the order of their tasks over a group of their own,
         # so those messages never interleave with the TP collectives of the modules.

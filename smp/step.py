@@ -356,7 +356,7 @@ class _StepFunction:
         results: list[Any] = []
         error: _MicrobatchError | None = None
         original: BaseException | None = None
-        state.in_step = True
+        state.in_step, state.step_models = True, models
         try:
             with _precision(state):  # pipeline workers and served calls inherit it (§4j)
                 if runtimes:
@@ -378,7 +378,7 @@ class _StepFunction:
                 origin=_origin(exc),
             )
         finally:
-            state.in_step = False
+            state.in_step, state.step_models = False, []
             state.microbatch = None
         return results, error, original
 

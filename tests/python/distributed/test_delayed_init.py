@@ -50,9 +50,9 @@ def _run(kind: str, delay: bool, tp: int):
         live[0] += p.numel()
         peak[0] = max(peak[0], live[0])
 
-    def counted_release(p):
+    def counted_release(p, pool=None):
         live[0] -= p.numel()
-        release(p)
+        release(p, pool)
 
     delayed.materialize, delayed.release = counted_materialize, counted_release
     model = smp.DistributedModel(module)

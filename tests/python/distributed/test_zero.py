@@ -112,6 +112,11 @@ def _build(smp, kind: str, tp: int, dtype):
     return module
 
 
+def _blocks(module):
+    """The transformer blocks (a ModuleList) of the demo GPT or an HF causal LM."""
+    return module.h if hasattr(module, "h") else module.model.layers
+
+
 def _llama_batch(step: int, rank: int):
     """4 samples of 8 tokens; on data-parallel rank 1 three of them padded on the right."""
     g = torch.Generator().manual_seed(700 + 10 * step + rank)
@@ -123,11 +128,24 @@ def _llama_batch(step: int, rank: int):
     return ids, mask, ids.masked_fill(mask == 0, -100)
 
 
-def _train(smp, kind: str, layout: str, shard: bool, variant: dict):
-    config = dict(LAYOUTS[layout][1])
+def _train(smp, kind: str, config: dict, sharding: dict, variant: dict):
+    """3 AdamW steps under ``config`` plus ``sharding`` (the keys of a saver, {} for none) and
+    the ``variant``; what the parity tests compare, and the optimizer."""
     fp16 = variant.get("fp16", False)
-    smp.init({**config, "microbatches": 2, "shard_optimizer_state": shard, "fp16": fp16})
+    delayed = variant.get("delayed", False)
+    smp.init(
+        {
+            **config,
+            "microbatches": 2,
+            **sharding,
+            "fp16": fp16,
+            "delayed_parameter_initialization": delayed,
+            "offload_activations": variant.get("offload", False),
+        }
+    )
     module = _build(smp, kind, config.get("tensor_parallel_degree", 1), variant.get("dtype"))
+    if variant.get("checkpointing"):
+        smp.set_activation_checkpointing(_blocks(module))
     model = smp.DistributedModel(module, backward_passes_per_step=variant.get("passes", 1))
     scaling = {"static_loss_scale": 1024.0} if fp16 else {}
     optimizer = smp.DistributedOptimizer(parity_adamw(model.parameters()), **scaling)
@@ -178,7 +196,7 @@ def _train(smp, kind: str, layout: str, shard: bool, variant: dict):
         ),
         "entries": len(optimizer.state),
         "stray": stray,
-        "local": optimizer.local_state_dict() if shard else None,
+        "local": optimizer.local_state_dict() if sharding else None,
         "rdp": smp.rdp_size(),
     }, optimizer
 
@@ -223,9 +241,10 @@ def _parity_worker(layout: str, runs: list[tuple[str, dict]]):
 
     out = []
     for kind, variant in runs:
-        plain, _ = _train(smp, kind, layout, False, variant)
+        config = LAYOUTS[layout][1]
+        plain, _ = _train(smp, kind, config, {}, variant)
         smp.shutdown()
-        sharded, optimizer = _train(smp, kind, layout, True, variant)
+        sharded, optimizer = _train(smp, kind, config, {"shard_optimizer_state": True}, variant)
         name = f"{layout}/{kind}/{variant}"
         tol = PARITY_TOL[layout]
         if tol is not None and variant.get("dtype") == torch.bfloat16:
@@ -320,10 +339,13 @@ CHAIN = [
 TOL = dict(rtol=2e-4, atol=2e-5)
 
 
-def _chain_worker(directory: str, index: int):
+def _chain_worker(directory: str, index: int, chain: list | None = None):
+    """Segment ``index`` of ``chain`` (default :data:`CHAIN`): resume from the previous
+    segment's checkpoint, train, save as the chain says."""
     import smp
 
-    name, _, config, saves = CHAIN[index]
+    chain = CHAIN if chain is None else chain
+    name, _, config, saves = chain[index]
     smp.init({**config, "microbatches": 2})
     # Resumed segments start from other weights: the checkpoint must replace them.
     module = _gpt(LAYERS, seed=0 if index == 0 else 100 + index)
@@ -333,7 +355,7 @@ def _chain_worker(directory: str, index: int):
     optimizer = smp.DistributedOptimizer(parity_adamw(model.parameters()))
     kept_after_resume = None
     if index > 0:
-        partial = CHAIN[index - 1][3] == "partial"
+        partial = chain[index - 1][3] == "partial"
         content = smp.resume_from_checkpoint(directory, partial=partial)
         assert content == {"next": index * SEGMENT}, content
         if model.partitioned:  # loaded already: only this rank's shard

@@ -43,6 +43,7 @@ ALL_KEYS = {
     "skip_tracing",
     "backend",
     "timeout_s",
+    "sharded_data_parallel_degree",
 }
 BOOL_KEYS = [
     "pipeline_async_calls",
@@ -93,6 +94,7 @@ def test_defaults(user):
         "prescaled_batch": False,
         "shard_optimizer_state": False,
         "offload_activations": False,
+        "sharded_data_parallel_degree": 1,
         "activation_loading_horizon": 4,
         "fp16": False,
         "bf16": False,
@@ -491,7 +493,6 @@ V1_ONLY = {
     "static_mode": False,
     "fast_mode": False,
     "checkpoint_attentions": False,
-    "sharded_data_parallel_degree": 1,
     "sdp_reduce_bucket_size": 5e8,
     "sdp_param_persistence_threshold": 1e6,
     "sdp_max_live_parameters": 1e9,
@@ -545,13 +546,34 @@ def test_fp16_params_is_read_as_fp16():
 @pytest.mark.parametrize(
     "user,words",
     [
-        ({"sharded_data_parallel_degree": 2}, "sharded data parallelism is not built yet"),
         ({"checkpoint_attentions": True}, "activation checkpointing is not built yet"),
     ],
 )
 def test_v1_keys_that_ask_for_what_is_not_built_fail(user, words):
     with pytest.raises(NotImplementedError, match=words):
         build_config(user)
+
+
+def test_sharded_data_parallelism_checks():
+    build_config({"sharded_data_parallel_degree": 2}, world_size=4)
+    build_config({"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}, world_size=8)
+    expect_error({"sharded_data_parallel_degree": 0}, '"sharded_data_parallel_degree"', "0")
+    expect_error(
+        {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2},
+        '"sharded_data_parallel_degree" (4) must divide',
+        "= 2",
+        world_size=4,
+    )
+    expect_error(
+        {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
+        'drop "shard_optimizer_state"',
+    )
+    for other, words in (
+        ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree"),
+        ({"fp16": True}, '"fp16" with "sharded_data_parallel_degree" \\(2\\) is not built'),
+    ):
+        with pytest.raises(NotImplementedError, match=words):
+            build_config({"sharded_data_parallel_degree": 2, **other})
 
 
 @pytest.mark.parametrize(

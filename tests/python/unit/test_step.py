@@ -190,6 +190,14 @@ def test_backward_and_optimizer_step_are_checked(single_process_smp):
     with pytest.raises(RuntimeError, match="cannot be nested"):
         nested(model, torch.ones(2))
 
+    @smp.step
+    def closure(x):  # the model is not an argument: smp would not reduce its gradients
+        model.backward(model(x).sum())
+
+    with pytest.raises(RuntimeError, match="not an argument of the @smp.step function"):
+        closure(torch.ones(2))
+    assert all(p.grad is None for p in model.parameters())
+
 
 def test_a_bad_optimizer_says_so(single_process_smp):
     smp = single_process_smp()
