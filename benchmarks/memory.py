@@ -81,11 +81,18 @@ def _worker(rank: int, layout: str, saver: str, layers: int, hidden: int, seq: i
     smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True,
               "microbatches": microbatches, "shard_optimizer_state": sharded,
               "sharded_data_parallel_degree": rdp if sdp else 1})  # fmt: skip
-    torch.manual_seed(0)
     cfg = GPTConfig(block_size=seq, n_layer=layers, n_head=16, n_embd=hidden)
-    if sdp:  # FSDP2 and DTensor's modules (about 40 MiB) belong to the process baseline
+    # One-time costs that do not grow with the model belong to the process baseline: FSDP2 and
+    # DTensor's modules (about 40 MiB), and the meta-device kernels and decompositions torch
+    # imports the first time a model is built on the meta device (about 70 MiB, measured with a
+    # second build costing 3 MiB).
+    if sdp:
         importlib.import_module("torch.distributed.fsdp")
         importlib.import_module("torch.distributed.tensor")
+    if delay:
+        with smp.delay_param_initialization():
+            GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16))
+    torch.manual_seed(0)
     baseline = _rss_peak()
     with smp.delay_param_initialization(enabled=delay):
         net = GPT(cfg)

@@ -292,7 +292,7 @@ def materialize(param: nn.Parameter, pool: dict | None = None) -> None:
     with torch.no_grad():
         if isinstance(record, Derived):  # into a storage of its shard's size, if one is free
             free = (pool or {}).get((record.source.numel // record.size, record.dtype))
-            param.data = record.replay(free.pop() if free else None, pool).to(param.device)
+            param.data = record.replay(free.pop() if free else None).to(param.device)
             return
         free = (pool or {}).get((record.numel, record.dtype))
         param.data = record.replay(free.pop() if free else None).to(param.device)
@@ -313,19 +313,6 @@ def release(param: nn.Parameter, pool: dict | None = None) -> None:
     if pool is not None:
         recycle([param.detach()], pool)
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-
-
-# Storages the tensor-parallel conversions replay into (see converting); DistributedModel takes
-# them over once every module is converted (take_conversion_pool).
-_conversion_pool: dict = {}
-
-
-def take_conversion_pool(into: dict) -> None:
-    """Moves one storage of each size the conversions left into ``into`` (replaying a shard
-    needs one whole tensor at a time); frees the others."""
-    for key, storages in _conversion_pool.items():
-        into.setdefault(key, []).extend(storages[:1])
-    _conversion_pool.clear()
 
 
 @contextlib.contextmanager
@@ -465,7 +452,7 @@ def converting(module: nn.Module, size: int, rank: int) -> Iterator[dict]:
         yield out
         return
     records = {name: getattr(p, _PROGRAM) for name, p in before.items()}
-    pool = _conversion_pool
+    pool: dict = {}  # the module's whole weights, replayed into again for the checks below
     for p in before.values():
         materialize(p, pool)
     kept: set[int] = set()  # converted values a record would not give back

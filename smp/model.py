@@ -120,7 +120,6 @@ class DistributedModel(nn.Module):
                 module, self.distributed_modules = distribute_marked_modules(
                     module, state.groups["tp"]
                 )
-                delayed.take_conversion_pool(self._delayed_pool)
                 self.distributed_modules = _Paths(heads + self.distributed_modules, module)
                 if state.rank == 0 and self.distributed_modules:
                     logger.info(
