@@ -77,7 +77,7 @@ def _entry(value: Any, param: torch.Tensor | None, state) -> Any:
 
     split = getattr(param, "_smp_tp_split", None)
     if sharded.is_sharded(value):  # a sharded data parallel chunk (of a TP shard)
-        local, row, _ = sharded.chunk_box(value)
+        local, row = sharded.chunk_box(value)
         tp = split is not None and value.shape == param.shape and _tp(state)[0] > 1
         return _Chunks.of_rows(local, row, value.shape, split if tp else None, *_tp(state))
     if (

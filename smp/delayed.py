@@ -289,13 +289,16 @@ def materialize(param: nn.Parameter, pool: dict | None = None) -> None:
     """Gives a delayed parameter its values (as eager construction would have), in a storage
     of ``pool`` ({(numel, dtype): [flat tensors]}) when one of its size is there."""
     record: Record = getattr(param, _PROGRAM)
+    # A shard's record has no fixed storage size (Derived.numel): a storage of its shard's size.
+    numel = record.source.numel // record.size if isinstance(record, Derived) else record.numel
     with torch.no_grad():
-        if isinstance(record, Derived):  # into a storage of its shard's size, if one is free
-            free = (pool or {}).get((record.source.numel // record.size, record.dtype))
-            param.data = record.replay(free.pop() if free else None).to(param.device)
-            return
-        free = (pool or {}).get((record.numel, record.dtype))
-        param.data = record.replay(free.pop() if free else None).to(param.device)
+        param.data = record.replay(_take(pool, numel, record.dtype)).to(param.device)
+
+
+def _take(pool: dict | None, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A flat storage of ``numel`` elements of ``dtype`` from ``pool``, if it holds one."""
+    free = (pool or {}).get((numel, dtype))
+    return free.pop() if free else None
 
 
 def recycle(tensors: list[torch.Tensor], pool: dict) -> None:
@@ -305,6 +308,18 @@ def recycle(tensors: list[torch.Tensor], pool: dict) -> None:
     for t in tensors:
         flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
         pool.setdefault((flat.numel(), flat.dtype), []).append(flat)
+
+
+def _replayed_into_pool(record: Record, pool: dict | None) -> torch.Tensor:
+    """``record``'s values, replayed into a storage of ``pool`` (a fresh one if it holds none),
+    which goes back to ``pool`` with them: use them before the pool is drawn on again."""
+    flat = _take(pool, record.numel, record.dtype)
+    if flat is None:
+        flat = torch.empty(record.numel, dtype=record.dtype)
+    values = record.replay(flat)
+    if pool is not None:
+        recycle([flat], pool)
+    return values
 
 
 def release(param: nn.Parameter, pool: dict | None = None) -> None:
@@ -334,11 +349,8 @@ def materialized_while_called(module: nn.Module, pool: dict) -> Iterator[None]:
 
     def post(m, *_):
         for p in m.__dict__.pop("_smp_delayed_live", []):
-            record = getattr(p, _PROGRAM)
-            if record.numel:  # a shard's record (Derived) has no fixed storage size: not pooled
-                flat = p.data.as_strided((record.numel,), (1,), 0)
-                pool.setdefault((record.numel, record.dtype), []).append(flat)
-            release(p)
+            # A shard's record (Derived) has no fixed storage size: not pooled.
+            release(p, pool if getattr(p, _PROGRAM).numel else None)
 
     for m in module.modules():
         handles.append(m.register_forward_pre_hook(pre))
@@ -415,18 +427,11 @@ class Derived:
         storage of ``pool`` when one of its size is there, and goes back to it after."""
         from smp.nn.functional import shard_tensor
 
-        key = (self.source.numel, self.source.dtype)
-        free = (pool or {}).get(key)
-        flat = free.pop() if free else torch.empty(self.source.numel, dtype=self.source.dtype)
-        full = self.source.replay(flat)
+        full = _replayed_into_pool(self.source, pool)
         shard = shard_tensor(full, self.split[0], self.split[1], self.size, self.rank)
         if base is None or base.numel() != shard.numel():
-            out = shard.clone()
-        else:
-            out = base.view(shard.shape).copy_(shard)
-        if pool is not None:
-            pool.setdefault(key, []).append(flat)
-        return out
+            return shard.clone()
+        return base.view(shard.shape).copy_(shard)
 
     @property
     def numel(self) -> int:
@@ -487,12 +492,5 @@ def converting(module: nn.Module, size: int, rank: int) -> Iterator[dict]:
 def _replays_to(record: Record | Derived, value: torch.Tensor, pool: dict) -> bool:
     """Whether ``record`` replays to ``value`` (replayed into a storage of ``pool``)."""
     if isinstance(record, Derived):
-        replayed = record.replay(None, pool)
-        return torch.equal(replayed, value)
-    key = (record.numel, record.dtype)
-    free = pool.get(key)
-    flat = free.pop() if free else torch.empty(record.numel, dtype=record.dtype)
-    try:
-        return torch.equal(record.replay(flat), value)
-    finally:
-        pool.setdefault(key, []).append(flat)
+        return torch.equal(record.replay(None, pool), value)
+    return torch.equal(_replayed_into_pool(record, pool), value)

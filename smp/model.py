@@ -99,8 +99,8 @@ class DistributedModel(nn.Module):
         # Delayed parameter initialisation: meta parameters become size-0 placeholders now;
         # each rank gives values to those it owns once the partition is known (design.md §7d).
         # Giving delayed parameters their values frees and allocates whole weights in turn.
-        with delayed.returning_memory(delayed.has_delayed(module)):
-            self._delayed = delayed.has_delayed(module)
+        self._delayed = delayed.has_delayed(module)
+        with delayed.returning_memory(self._delayed):
             self._delayed_pool: dict = {}  # storages tracing freed, reused by _materialize_owned
             delayed.placeholders(module)
             self.distributed_modules = _Paths()  # paths replaced by tensor-parallel versions
@@ -174,26 +174,24 @@ class DistributedModel(nn.Module):
             # Sharded data parallelism: FSDP2 over the sharding mesh, once every replica holds the
             # same values (design.md §7e). Its parameters are new objects: the list is rebuilt.
             self._sharded_units: list[nn.Module] = []
-            if self.partitioned and self._delayed and sharded.enabled():
-                # Delayed parameters get their values one block at a time, each block sharded
-                # before the next one's are made: no rank holds more than one block whole.
-                _check_replicas_match(self.module)
-                self._broadcast_model(lambda group: 0)  # buffers (the parameters are empty yet)
-                self._grad_params, self._replayed_crc, self._unsharded = [], 0, []
-                self._sharded_units = sharded.shard_module(self.module, self._materialize_block)
-                self._unsharded = []
-                self._delayed_pool.clear()
-                self._check_replayed_agree()
-            else:
-                if self.partitioned:
-                    self._materialize_owned()
-                _check_replicas_match(self.module)
-                self._broadcast_model(lambda group: 0)
-                if sharded.enabled():
-                    self._grad_params = []  # the unsharded parameters go as each block is sharded
-                    self._sharded_units = sharded.shard_module(self.module)
-            if self._sharded_units:
+            # Sharded, delayed parameters get their values one block at a time, each block
+            # sharded before the next one's are made: no rank holds more than one block whole.
+            per_block = self._delayed and sharded.enabled()  # (sharding implies one stage)
+            if self.partitioned and not per_block:
+                self._materialize_owned()
+            _check_replicas_match(self.module)
+            self._broadcast_model(lambda group: 0)  # per block: buffers (parameters empty yet)
+            if sharded.enabled():
+                self._grad_params = []  # the unsharded parameters go as each block is sharded
+                self._replayed_crc, self._unsharded = 0, []
+                self._sharded_units = sharded.shard_module(
+                    self.module, self._materialize_block if per_block else None
+                )
                 self._grad_params = [p for p in _unique_parameters(self.module) if p.requires_grad]
+                if per_block:
+                    self._unsharded = []
+                    self._delayed_pool.clear()
+                    self._check_replayed_agree()
             state.models.append(self)
             self._tracing = False
 
@@ -715,16 +713,14 @@ class DistributedModel(nn.Module):
         for p in block.parameters():
             if delayed.waiting(p):
                 delayed.materialize(p, self._delayed_pool)
-                data = p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
-                self._replayed_crc = _C.crc32c(memoryview(data), self._replayed_crc)
+                self._replayed_crc = _crc32c(p, self._replayed_crc)
                 self._unsharded.append(p.detach())
 
     def _check_replayed_agree(self) -> None:
         """Fails on every rank if the replayed parameters differ between the ranks that shard
         them (each keeps its chunk of its own replay, so they must have replayed alike)."""
         state = get_state()
-        crcs: list[Any] = [None] * state.axis_size("rdp")
-        dist.all_gather_object(crcs, self._replayed_crc, group=state.groups["rdp"])
+        crcs = _gathered(self._replayed_crc, "rdp")
         if len(set(crcs)) > 1:
             raise ValueError(
                 "smp.DistributedModel: with delayed_parameter_initialization and "
@@ -745,11 +741,8 @@ class DistributedModel(nn.Module):
         crc = 0
         for p in _unique_parameters(self.module):
             if p.numel() > 0 and _is_shard(p) == (group == "rdp"):
-                data = p.detach().contiguous().view(-1).view(torch.uint8).numpy()
-                crc = _C.crc32c(memoryview(data), crc)
-        crcs: list[Any] = [None] * state.axis_size(group)
-        dist.all_gather_object(crcs, crc, group=state.groups[group])
-        return len(set(crcs)) == 1
+                crc = _crc32c(p, crc)
+        return len(set(_gathered(crc, group))) == 1
 
     def _run_traced(self, run_first_microbatch: Callable[[], Any]) -> None:
         self._tracing = True
@@ -839,7 +832,9 @@ class DistributedModel(nn.Module):
                 p.grad = p.grad.contiguous()
             batches.setdefault(_reduction(p, state), []).append(p.grad)
         if done_by_fsdp:
-            sharded.finish_grads(done_by_fsdp, lambda p: _reduction(p, state), num_mb)
+            sharded.finish_grads(
+                done_by_fsdp, lambda p: _reduction(p, state), num_mb, self.bucket_bytes
+            )
         if self._comm_hook is not None:
             self._reduce_with_hook([g for grads in batches.values() for g in grads])
         else:
@@ -925,6 +920,20 @@ def _scaled(tensors, scale: float):
     return type(tensors)(t * scale for t in tensors)
 
 
+def _crc32c(t: torch.Tensor, crc: int) -> int:
+    """``crc`` extended by the bytes of ``t``'s values."""
+    data = t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+    return _C.crc32c(memoryview(data), crc)
+
+
+def _gathered(value: Any, group: str) -> list[Any]:
+    """``value`` of every rank of this rank's group ``group``, in group order."""
+    state = get_state()
+    values: list[Any] = [None] * state.axis_size(group)
+    dist.all_gather_object(values, value, group=state.groups[group])
+    return values
+
+
 def _is_shard(p: torch.Tensor) -> bool:
     """Whether ``p`` is this rank's shard of a tensor split over the TP group."""
     return getattr(p, "_smp_tp_split", None) is not None
@@ -1003,12 +1012,9 @@ def _check_replicas_match(module: nn.Module) -> None:
         for name, t in (*module.named_parameters(), *module.named_buffers())
     ]
     digest = hashlib.sha256(repr(layout).encode()).hexdigest()
-    digests: list[Any] = [None] * state.axis_size("dp")
-    dist.all_gather_object(digests, digest, group=state.groups["dp"])
-    if len(set(digests)) == 1:
+    if len(set(_gathered(digest, "dp"))) == 1:
         return
-    layouts: list[Any] = [None] * state.axis_size("dp")
-    dist.all_gather_object(layouts, layout, group=state.groups["dp"])
+    layouts = _gathered(layout, "dp")
     ranks = state.group_ranks["dp"]
     base = layouts[0]
     for other_rank, other in zip(ranks[1:], layouts[1:]):

@@ -17,6 +17,7 @@ same mean.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -82,17 +83,12 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
                 walk(child)
 
     walk(module)
-    everywhere: dict[int, int] = {}
-    for _, p in module.named_parameters(remove_duplicate=False):
-        everywhere[id(p)] = everywhere.get(id(p), 0) + 1
-    out = []
-    for block in found:
-        inside: dict[int, int] = {}
-        for _, p in block.named_parameters(remove_duplicate=False):
-            inside[id(p)] = inside.get(id(p), 0) + 1
-        if all(everywhere[i] == count for i, count in inside.items()):
-            out.append(block)
-    return out
+
+    def uses(m: nn.Module) -> collections.Counter:
+        return collections.Counter(id(p) for _, p in m.named_parameters(remove_duplicate=False))
+
+    everywhere = uses(module)
+    return [b for b in found if all(everywhere[i] == n for i, n in uses(b).items())]
 
 
 def shard_module(module: nn.Module, before=None) -> list[nn.Module]:
@@ -155,25 +151,23 @@ def like(value: Any, param: torch.Tensor) -> Any:
     return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
 
 
-def chunk_box(value: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(this rank's local tensor, its first row, its row count) of a DTensor sharded on dim 0
-    (rows of the tensor it is a chunk of)."""
+def chunk_box(value: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's local tensor, its first row) of a DTensor sharded on dim 0 (rows of the
+    tensor it is a chunk of)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(
+    _, offset = compute_local_shape_and_global_offset(
         value.shape, value.device_mesh, value.placements
     )
-    local = value.to_local()
-    if value.dim() == 0:
-        return local, 0, 0
-    return local, int(offset[0]), int(shape[0])
+    return value.to_local(), int(offset[0]) if value.dim() else 0
 
 
-def finish_grads(params: list[torch.Tensor], reduction, num_mb: int) -> None:
+def finish_grads(params: list[torch.Tensor], reduction, num_mb: int, bucket_bytes: int) -> None:
     """The end of a step's gradient reduction for sharded parameters: FSDP2 summed each over
     the rdp group; one reduced over the dp group also sums over the TP group (its local chunks
     line up: every TP rank shards it the same way); then each is divided as smp divides.
-    ``reduction(p)`` is :func:`smp.model._reduction`."""
+    ``reduction(p)`` is :func:`smp.model._reduction`; the TP sum runs in buckets of
+    ``bucket_bytes``."""
     state = get_state()
     tp_sum: list[torch.Tensor] = []
     with torch.no_grad():
@@ -188,7 +182,7 @@ def finish_grads(params: list[torch.Tensor], reduction, num_mb: int) -> None:
         if tp_sum:
             from smp import _C
 
-            _C.allreduce_mean_(tp_sum, state.groups["tp"], 1.0, 25 << 20)
+            _C.allreduce_mean_(tp_sum, state.groups["tp"], 1.0, bucket_bytes)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
