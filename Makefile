@@ -6,6 +6,8 @@
 #                the core-include check, and the Python suites
 #   make lint    ruff, clang-format (dry run) and the core-include check
 #   make core    the torch-free core and its tests alone (build-core/)
+#   make cuda-check  build against a CUDA torch (its own venv, .venv-cuda) with nvcc, then run the
+#                CPU tests against that build (build-cuda/); no GPU needed (tools/cuda_check.sh)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -16,7 +18,7 @@ TORCH_VERSION ?= 2.13.0
 JOBS ?= $(shell nproc)
 NPROC_DEMO ?= 4
 
-.PHONY: demo test build core test-cpp test-python check-core lint sysdeps venv clean
+.PHONY: demo test build core test-cpp test-python check-core lint sysdeps venv clean cuda-check
 
 DEMO_CKPT := build/demo/checkpoints
 
@@ -56,6 +58,9 @@ core: sysdeps
 	cmake --build build-core -j $(JOBS)
 	ctest --test-dir build-core --output-on-failure
 
+cuda-check: sysdeps
+	JOBS=$(JOBS) bash tools/cuda_check.sh
+
 check-core:
 	$(PY) tools/check_core_includes.py
 
@@ -73,4 +78,4 @@ lint: venv
 	else echo "clang-format not installed: skipped (apt-get install clang-format)"; fi
 
 clean:
-	rm -rf build build-core smp/_C*.so *.egg-info
+	rm -rf build build-core build-cuda smp/_C*.so *.egg-info

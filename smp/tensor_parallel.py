@@ -576,8 +576,9 @@ class _Plan:
 
 class _ShardedBlock:
     """Mixin of a Hugging Face block whose projections were sharded: its forward is a TP region
-    (batch semantics as any distributed module) run with the TP-aware replicated RNG, so dropout
-    after the row-parallel projections draws the same mask on every rank of the group."""
+    (batch semantics as any distributed module) run with the TP-aware replicated RNG (the CPU's
+    and, on a GPU, that device's), so dropout after the row-parallel projections draws the same
+    mask on every rank of the group."""
 
     tp_group: Any
     tp_size: int
@@ -588,13 +589,21 @@ class _ShardedBlock:
         base = super().forward  # type: ignore[misc]
         if not self.training:
             return run_region(self, base, args, kwargs)
-        generator = tpf.tp_rng("replicated")
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(generator.get_state())
+        # The block's dropout draws from torch's default generators: the CPU one and, for a
+        # block on a GPU, that GPU's. Both are swapped for the replicated TP streams.
+        device = next(self.parameters()).device
+        cuda = [device.index] if device.type == "cuda" else []
+        generators = [tpf.tp_rng("replicated")] + [tpf.tp_rng("replicated", device)] * len(cuda)
+        with torch.random.fork_rng(devices=cuda):
+            torch.set_rng_state(generators[0].get_state())
+            if cuda:
+                torch.cuda.set_rng_state(generators[1].get_state(), device)
             try:
                 return run_region(self, base, args, kwargs)
             finally:
-                generator.set_state(torch.get_rng_state())
+                generators[0].set_state(torch.get_rng_state())
+                if cuda:
+                    generators[1].set_state(torch.cuda.get_rng_state(device))
 
 
 _sharded_classes: dict[type, type] = {}

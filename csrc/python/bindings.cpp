@@ -16,4 +16,5 @@ PYBIND11_MODULE(_C, m) {
   smp::python::init_schedule_bindings(m);
   smp::python::init_thread_state_bindings(m);
   smp::python::init_checksum_bindings(m);
+  smp::python::init_kernel_bindings(m);
 }

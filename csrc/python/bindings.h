@@ -20,6 +20,7 @@ void init_tp_bindings(pybind11::module_& m);
 void init_schedule_bindings(pybind11::module_& m);
 void init_thread_state_bindings(pybind11::module_& m);
 void init_checksum_bindings(pybind11::module_& m);
+void init_kernel_bindings(pybind11::module_& m);
 
 /// A program from action strings ("1F0", "1W3"), as the static pipeline takes it from Python.
 /// Throws smp::Error naming a string that is not an action.

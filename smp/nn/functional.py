@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from smp import _C
+from smp import _C, kernels
 from smp.comm import collective
 
 __all__ = [
@@ -184,34 +184,41 @@ def shard_state(
 # ---- randomness ---------------------------------------------------------------------------------
 
 
-def tp_rng(kind: str) -> torch.Generator:
-    """The TP-aware generator ``kind`` of this rank.
+def tp_rng(kind: str, device: torch.device | str | None = None) -> torch.Generator:
+    """The TP-aware generator ``kind`` of this rank, on ``device`` (default: the CPU).
 
     "replicated": the same stream on every rank of a TP group, for dropout on tensors every rank
     holds whole (so the masks agree). "sharded": a different stream on every TP rank, for
     tensors split across the group or holding different samples. Both derive from
     ``tensor_parallel_seed``, the pipeline stage and the rdp rank, and restart at every
-    ``smp.init``, so runs are reproducible.
+    ``smp.init``, so runs are reproducible. Each device has its own generator of each kind,
+    seeded alike, so a CUDA tensor's mask is drawn on its GPU (no host mask, no copy) and still
+    agrees across the group where it must.
     """
     from smp.state import get_state, is_initialized
 
     if not is_initialized():
         raise RuntimeError("smp.nn dropout needs smp.init(...) first (it seeds the TP generators)")
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     state = get_state()
     generators = getattr(state, "tp_generators", None)
     if generators is None:
+        generators = state.tp_generators = {}
+    key = kind if device.type == "cpu" else f"{kind}@{device}"
+    if key not in generators:
+        if kind not in ("replicated", "sharded"):
+            raise ValueError(f'TP generator kind must be "replicated" or "sharded", got {kind!r}')
         base = (
             state.config.tensor_parallel_seed * 1_000_003
             + state.axis_rank("pp") * 7919
             + state.axis_rank("rdp") * 104_729
         )
-        generators = state.tp_generators = {
-            "replicated": torch.Generator().manual_seed(base),
-            "sharded": torch.Generator().manual_seed(
-                base + 2718 + 31 * (state.axis_rank("tp") + 1)
-            ),
-        }
-    return generators[kind]
+        if kind == "sharded":
+            base += 2718 + 31 * (state.axis_rank("tp") + 1)
+        generators[key] = torch.Generator(device=device).manual_seed(base)
+    return generators[key]
 
 
 def random_streams() -> dict:
@@ -239,8 +246,12 @@ def set_random_streams(saved: dict) -> None:
         if saved["tp"] is None:
             get_state().tp_generators = None
         else:
-            for kind, value in saved["tp"].items():
-                tp_rng(kind).set_state(value)
+            generators = getattr(get_state(), "tp_generators", None) or {}
+            for key in [k for k in generators if k not in saved["tp"]]:
+                del generators[key]
+            for key, value in saved["tp"].items():
+                kind, _, device = key.partition("@")
+                tp_rng(kind, device or None).set_state(value)
 
 
 def tp_dropout(x: torch.Tensor, p: float, training: bool, kind: str) -> torch.Tensor:
@@ -252,8 +263,9 @@ def tp_dropout(x: torch.Tensor, p: float, training: bool, kind: str) -> torch.Te
         return x
     if p >= 1.0:
         return torch.zeros_like(x)
-    keep = torch.empty(x.shape, dtype=x.dtype).bernoulli_(1.0 - p, generator=tp_rng(kind))
-    return x * keep.to(x.device) / (1.0 - p)
+    keep = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    keep.bernoulli_(1.0 - p, generator=tp_rng(kind, x.device))
+    return x * keep / (1.0 - p)
 
 
 # ---- vocab-parallel cross-entropy ---------------------------------------------------------------
@@ -276,10 +288,32 @@ def vocab_parallel_cross_entropy(
 
     Returns:
         [...] the loss of each token, equal to ``F.cross_entropy(full_logits, target,
-        reduction="none")``. Communication: one all-reduce MAX (no gradient), then two SUM
-        all-reduces of [...] (the softmax normaliser and the target logit).
+        reduction="none")``, in float32. Communication: one all-gather of each rank's
+        [3, tokens] float32 statistics (row max, sum of exp, target logit); none backward.
+
+    With the fused kernel on (the default, :func:`smp.kernels.set_fused`) the statistics and
+    the gradient each take one pass over the logits (smp/kernels.py) and nothing of size
+    [tokens, V/n] is kept for backward beyond the logits themselves; off, the ATen composition
+    below runs instead (three all-reduces, float32 intermediates kept by autograd).
     """
     group = tp_group(group)
+    if kernels.fused_enabled("cross_entropy"):
+        gather = None
+        if group.size() > 1 and not _local_only:
+
+            def gather(stats: torch.Tensor) -> torch.Tensor:
+                everyone = stats.new_empty((group.size() * stats.size(0), *stats.shape[1:]))
+                with collective("tensor-parallel all-gather (cross-entropy statistics)"):
+                    dist.all_gather_into_tensor(everyone, stats, group=group)
+                return everyone.view(group.size(), *stats.shape)
+
+        return kernels.vocab_cross_entropy(logits, target, vocab_start, ignore_index, gather)
+    return _composed_cross_entropy(logits, target, vocab_start, group, ignore_index)
+
+
+def _composed_cross_entropy(logits, target, vocab_start, group, ignore_index):
+    """The vocab-parallel cross-entropy as an ATen composition under autograd: one all-reduce
+    MAX (no gradient), then two SUM all-reduces (the softmax normaliser, the target logit)."""
     local_vocab = logits.size(-1)
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     with torch.no_grad():

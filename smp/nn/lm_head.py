@@ -145,7 +145,7 @@ def causal_lm_loss(
     vocab_start = group.rank() * (vocab_size // n)
     with _region_scope():
         per_token = tpf.vocab_parallel_cross_entropy(
-            logits.float(), targets, vocab_start, group, ignore_index
+            logits, targets, vocab_start, group, ignore_index
         )
     if _batch_semantics(n):
         per_token = tpf.scatter_to_region(per_token, 0, group)[:mine]

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from smp import kernels
 from smp.nn import functional as tpf
 from smp.nn.region import _region_scope, batch_is_shared, in_region, run_region
 
@@ -221,10 +222,11 @@ class DistributedLinear(DistributedModule):
             self.weight = self._shard(full, in_dim)
             self.bias = self._replicated(b) if bias else None
 
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        """The local product without communication (row: no bias, it is added after the sum)."""
+    def local(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """The local product without communication (row: no bias, it is added after the sum;
+        column: ``bias=False`` leaves it to the caller, a fused bias + activation)."""
         weight = self.weight.t() if self.transposed else self.weight
-        if self.split == "column":
+        if self.split == "column" and bias:
             return F.linear(x, weight, self.bias)
         return F.linear(x, weight)
 
@@ -395,6 +397,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
 }
+_GELU_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh"}  # those smp.kernels.bias_gelu fuses
 
 
 class _Layout:
@@ -751,8 +754,16 @@ class DistributedTransformerOutputLayer(_Sublayer):
 
     def sublayer(self, x: torch.Tensor) -> torch.Tensor:
         y = self.layout.enter_sublayer(self._input(x))
-        y = self.dense2.local(_ACTIVATIONS[self.activation](self.dense1.local(y)))
+        y = self.dense2.local(self._activated(y))
         return self._output(x, self.layout.exit_sublayer(y), self.dense2.bias)
+
+    def _activated(self, y: torch.Tensor) -> torch.Tensor:
+        approximate = _GELU_APPROXIMATE.get(self.activation)
+        if approximate and self.dense1.bias is not None and kernels.fused_enabled("bias_gelu"):
+            return kernels.bias_gelu(
+                self.dense1.local(y, bias=False), self.dense1.bias, approximate
+            )
+        return _ACTIVATIONS[self.activation](self.dense1.local(y))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return _TransformerRegion.run(self, lambda h, *_: self.sublayer(h), hidden_states, None)

@@ -36,3 +36,16 @@ def single_process_smp():
 
     yield init
     smp.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The GPU tier (tests/python/gpu): marked ``gpu`` and skipped without a CUDA device. Run it
+    alone with ``pytest -m gpu tests/python/gpu``."""
+    import torch
+
+    gpu_dir = REPO / "tests" / "python" / "gpu"
+    for item in items:
+        if gpu_dir in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))

@@ -1,0 +1,241 @@
+"""smp on one GPU: the fused kernels against their ATen compositions, and smp's training step
+against the same loop in plain torch. Rounds alternate between the two sides; ratios are medians.
+
+    python benchmarks/gpu.py                      # on cuda:0, the sizes of the issue
+    python benchmarks/gpu.py --device cpu --small # the same code on the CPU, small sizes (a check)
+    python benchmarks/gpu.py --only kernels --json out.json
+
+Sections:
+  kernels  fused vocab cross-entropy (smp.kernels.vocab_cross_entropy) against smp's ATen
+           composition and F.cross_entropy on float32 logits, and fused bias + GeLU against
+           F.gelu(x + b): forward + backward time, and on CUDA the peak memory above the inputs.
+  step     a GPT (examples/gpt, ~1 B parameters in the full size) in bf16 autocast with AdamW:
+           smp.DistributedModel + @smp.step with microbatches 1 and 4, against plain torch doing
+           the same microbatches; tokens/s and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device, iters: int) -> float:
+    """Seconds per call of ``fn`` over ``iters`` calls (after one untimed call)."""
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / iters
+
+
+def _peak(fn, device) -> int | None:
+    """Bytes allocated at the peak of one call of ``fn`` above what was allocated before it."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def _rounds(sides: dict, device, rounds: int, iters: int) -> dict:
+    """Alternating rounds of every side; per side the round times and their median."""
+    times = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            times[name].append(_timed(fn, device, iters))
+    return {name: {"rounds_s": t, "median_s": statistics.median(t)} for name, t in times.items()}
+
+
+def bench_kernels(device, small: bool, rounds: int) -> dict:
+    import smp
+    from smp import kernels
+    from smp.nn.functional import _composed_cross_entropy, tp_group
+
+    smp.init({})
+    out = {}
+    tokens, vocab = (256, 1000) if small else (8192, 50304 // 2)  # a TP-2 slice of GPT-2's vocab
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(tokens, vocab, device=device, dtype=torch.bfloat16, generator=g)
+    target = torch.randint(0, vocab, (tokens,), device=device, generator=g)
+
+    def ce(run):
+        def once():
+            leaf = logits.detach().requires_grad_()
+            run(leaf).sum().backward()
+
+        return once
+
+    sides = {
+        "fused": ce(lambda x: kernels.vocab_cross_entropy(x, target, 0)),
+        "smp_composed": ce(lambda x: _composed_cross_entropy(x, target, 0, tp_group(), -100)),
+        "torch_f32": ce(lambda x: F.cross_entropy(x.float(), target, reduction="none")),
+    }
+    result = _rounds(sides, device, rounds, iters=3 if small else 10)
+    for name, fn in sides.items():
+        result[name]["peak_bytes"] = _peak(fn, device)
+    result["shape"] = [tokens, vocab]
+    result["fused_speedup_vs_composed"] = (
+        result["smp_composed"]["median_s"] / result["fused"]["median_s"]
+    )
+    out["cross_entropy"] = result
+
+    shape = (4, 256, 1024) if small else (8, 1024, 4 * 2048 // 2)  # MLP width of a TP-2 rank
+    x = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=g)
+    bias = torch.randn(shape[-1], device=device, generator=g)
+    grad = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=g)
+
+    def bg(run):
+        def once():
+            xl, bl = x.detach().requires_grad_(), bias.detach().requires_grad_()
+            run(xl, bl).backward(grad)
+
+        return once
+
+    sides = {
+        "fused": bg(lambda a, b: kernels.bias_gelu(a, b, "tanh")),
+        "composed": bg(lambda a, b: F.gelu(a + b.to(a.dtype), approximate="tanh")),
+    }
+    result = _rounds(sides, device, rounds, iters=3 if small else 20)
+    for name, fn in sides.items():
+        result[name]["peak_bytes"] = _peak(fn, device)
+    result["shape"] = list(shape)
+    result["fused_speedup"] = result["composed"]["median_s"] / result["fused"]["median_s"]
+    out["bias_gelu"] = result
+    smp.shutdown()
+    return out
+
+
+def _step_pair(cfg, x, y, microbatches: int, device, rounds: int, iters: int) -> dict:
+    """Plain torch and smp training the same GPT on the same batch, alternating rounds."""
+    from model import GPT, lm_loss
+
+    import smp
+
+    fused = device.type == "cuda"
+    torch.manual_seed(0)
+    plain = GPT(cfg).to(device)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=fused)
+
+    def plain_step():
+        plain_opt.zero_grad(set_to_none=True)
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = lm_loss(plain(xm), ym)
+            (loss / microbatches).backward()
+        plain_opt.step()
+
+    smp.init({"microbatches": microbatches, "bf16": True})
+    try:
+        torch.manual_seed(0)
+        model = smp.DistributedModel(GPT(cfg))
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused))
+
+        @smp.step
+        def train(model, x, y):
+            loss = lm_loss(model(x), y)
+            model.backward(loss)
+            return loss
+
+        def smp_step():
+            opt.zero_grad(set_to_none=True)
+            train(model, x, y).reduce_mean()
+            opt.step()
+
+        times = _rounds({"torch": plain_step, "smp": smp_step}, device, rounds, iters)
+    finally:
+        smp.shutdown()
+    tokens = x.numel()
+    return {
+        **times,
+        "parameters": sum(p.numel() for p in plain.parameters()),
+        "tokens_per_s": {k: tokens / v["median_s"] for k, v in times.items()},
+        "ratio": times["torch"]["median_s"] / times["smp"]["median_s"],
+    }
+
+
+def bench_step(device, small: bool, rounds: int) -> dict:
+    from model import GPTConfig
+
+    if small:
+        cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64)
+        batch, seq, iters = 8, 64, 2
+    else:
+        cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=18, n_head=16, n_embd=2048)
+        batch, seq, iters = 8, 1024, 5
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=g)
+    y = torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=g)
+    results = {"config": vars(cfg) | {"batch": batch, "seq": seq}}
+    for microbatches in (1, 4):
+        results[f"microbatches_{microbatches}"] = _step_pair(
+            cfg, x, y, microbatches, device, rounds, iters
+        )
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--small", action="store_true", help="small sizes (a check, not numbers)")
+    parser.add_argument("--only", default="kernels,step")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    report["torch"] = torch.__version__
+    for section in args.only.split(","):
+        fn = {"kernels": bench_kernels, "step": bench_step}[section]
+        report[section] = fn(device, args.small, args.rounds)
+        print(f"--- {section}")
+        print(json.dumps(report[section], indent=1, default=str))
+    if "kernels" in report:
+        ce, bg = report["kernels"]["cross_entropy"], report["kernels"]["bias_gelu"]
+        print(
+            f"cross-entropy {ce['shape']}: fused {ce['fused']['median_s'] * 1e3:.3f} ms, "
+            f"composed {ce['smp_composed']['median_s'] * 1e3:.3f} ms "
+            f"({ce['fused_speedup_vs_composed']:.2f}x), peak {ce['fused']['peak_bytes']} against "
+            f"{ce['smp_composed']['peak_bytes']} bytes"
+        )
+        print(
+            f"bias+gelu {bg['shape']}: fused {bg['fused']['median_s'] * 1e3:.3f} ms, composed "
+            f"{bg['composed']['median_s'] * 1e3:.3f} ms ({bg['fused_speedup']:.2f}x)"
+        )
+    if "step" in report:
+        for key in ("microbatches_1", "microbatches_4"):
+            r = report["step"][key]
+            print(
+                f"step, {key.replace('_', ' ')}: smp {r['tokens_per_s']['smp']:.0f} tokens/s, "
+                f"torch {r['tokens_per_s']['torch']:.0f} tokens/s, ratio {r['ratio']:.3f}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

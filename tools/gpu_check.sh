@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with a CUDA GPU, a CUDA build of torch and nvcc (no internet
+# needed), builds smp from source, runs the GPU test tier and benchmarks/gpu.py, and writes a log
+# and a JSON summary. Sized to end within 8 minutes on one H200.
+#
+#   bash tools/gpu_check.sh [OUT_DIR]      (default build-gpu/out)
+#   PYTHON         the interpreter whose torch to build against (default python3)
+#   TORCH_CUDA_ARCH_LIST  default: this machine's GPU only (a faster build)
+#   GPU_CHECK_BUILD_TIMEOUT  seconds for the build (default 300)
+#   GPU_CHECK_DRY=1  check the script itself on a machine without a GPU (a CUDA torch and nvcc
+#                  still needed): builds for sm 9.0, the GPU tests skip, the benchmark runs small
+#                  on the CPU
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${1:-build-gpu/out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python3}
+LOG=$OUT/gpu_check.log
+SUMMARY=$OUT/gpu_check.json
+start=$SECONDS
+exec > >(tee "$LOG") 2>&1
+stamp() { echo "=== gpu-check: $1 ($((SECONDS - start)) s)"; }
+declare -A status
+
+DRY=${GPU_CHECK_DRY:-0}
+"$PY" - "$DRY" <<'PYEOF' || { echo "no CUDA device: nothing to check"; exit 1; }
+import sys, torch
+if sys.argv[1] == "1":
+    print(f"dry run: torch {torch.__version__} (CUDA {torch.version.cuda}), no GPU used")
+    sys.exit(0)
+assert torch.cuda.is_available()
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {torch.cuda.get_device_name()}")
+PYEOF
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+  TORCH_CUDA_ARCH_LIST=9.0
+  [ "$DRY" = 1 ] || TORCH_CUDA_ARCH_LIST=$("$PY" -c \
+    "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+  export TORCH_CUDA_ARCH_LIST
+fi
+
+stamp "building for sm ${TORCH_CUDA_ARCH_LIST}"
+# The extension is written into smp/ (no pip: the machine may have no index to build from).
+build_timeout=${GPU_CHECK_BUILD_TIMEOUT:-300}
+if timeout "$build_timeout" cmake -S . -B build-gpu -G Ninja -DPython3_EXECUTABLE="$(command -v "$PY")" \
+      -DSMP_CUDA=ON -DSMP_BUILD_TESTS=OFF -DSMP_BUILD_BENCHMARKS=OFF \
+      -DSMP_PYTHON_OUTPUT_DIR="$ROOT/smp" -DCMAKE_BUILD_TYPE=Release >/dev/null &&
+    timeout "$build_timeout" cmake --build build-gpu -j "$(nproc)"; then
+  status[build]=passed
+else
+  status[build]=failed
+fi
+stamp "build ${status[build]}"
+
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if [ "${status[build]}" = passed ]; then
+  if timeout 200 "$PY" -m pytest -q -m gpu tests/python/gpu -p no:cacheprovider \
+      --junitxml "$OUT/gpu_tests.xml"; then
+    status[tests]=passed
+  else
+    status[tests]=failed
+  fi
+  stamp "GPU tests ${status[tests]}"
+  bench_args=()
+  [ "$DRY" = 1 ] && bench_args=(--device cpu --small --rounds 2)
+  if timeout 240 "$PY" benchmarks/gpu.py "${bench_args[@]}" --json "$OUT/gpu_bench.json"; then
+    status[bench]=passed
+  else
+    status[bench]=failed
+  fi
+  stamp "benchmark ${status[bench]}"
+fi
+
+"$PY" - "$SUMMARY" "$((SECONDS - start))" "${status[build]:-}" "${status[tests]:-skipped}" \
+    "${status[bench]:-skipped}" "$OUT" <<'PYEOF'
+import json, sys, pathlib, xml.etree.ElementTree as ET
+path, seconds, build, tests, bench, out = sys.argv[1:]
+summary = {"seconds": int(seconds), "build": build, "tests": tests, "benchmark": bench}
+junit = pathlib.Path(out) / "gpu_tests.xml"
+if junit.exists():
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    summary["test_counts"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+bench_json = pathlib.Path(out) / "gpu_bench.json"
+if bench_json.exists():
+    summary["bench"] = json.loads(bench_json.read_text())
+pathlib.Path(path).write_text(json.dumps(summary, indent=1))
+print(json.dumps({k: v for k, v in summary.items() if k != "bench"}))
+PYEOF
+stamp "done: $LOG, $SUMMARY"
+[ "${status[build]}" = passed ] && [ "${status[tests]:-}" = passed ] && [ "${status[bench]:-}" = passed ]
