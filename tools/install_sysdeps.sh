@@ -6,6 +6,7 @@ command -v cmake >/dev/null || need+=(cmake)
 command -v ninja >/dev/null || need+=(ninja-build)
 command -v g++ >/dev/null || need+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
+[ -f /usr/include/fmt/format.h ] || need+=(libfmt-dev)  # the torch-free core build (make core)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

@@ -12,6 +12,8 @@
 // load relative to that of the plan which ignores the crossings.
 //
 // Usage: smp_partition_bench   (no arguments; exits 0)
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -33,7 +35,7 @@ std::vector<smp::PartitionNode> random_tree(int num_nodes, unsigned seed) {
   nodes.reserve(num_nodes);
   const auto add = [&](int parent) {
     smp::PartitionNode node;
-    node.name = "m" + std::to_string(nodes.size());
+    node.name = fmt::format("m{}", nodes.size());
     node.parent = parent;
     if (unit(rng) >= 0.05) {
       node.compute = unit(rng);

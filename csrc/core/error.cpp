@@ -8,8 +8,9 @@ void throw_internal_error(const char* file, int line, const char* condition,
                           const std::string& message) {
   // std::logic_error, not smp::Error: the user cannot fix this, so it must not look like
   // ValueError.
-  throw std::logic_error(concat("internal error in smp (please report it): ", file, ":", line,
-                                ": expected ", condition, message.empty() ? "" : ": ", message));
+  throw std::logic_error(
+      fmt::format(FMT_STRING("internal error in smp (please report it): {}:{}: expected {}{}{}"),
+                  file, line, condition, message.empty() ? "" : ": ", message));
 }
 
 }  // namespace smp::internal

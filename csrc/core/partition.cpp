@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <numeric>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -214,7 +214,7 @@ class Segmenter {
   std::vector<int> ends(double cap) const {
     std::vector<int> result(n_, 0);
     const bool ok = probe(cap, 0, 0, &result);
-    SMP_INTERNAL_ASSERT(ok, "no segmentation at the optimal cap ", cap);
+    SMP_INTERNAL_ASSERT(ok, "no segmentation at the optimal cap {:g}", cap);
     return result;
   }
 
@@ -384,53 +384,63 @@ class Partitioner {
 
   // ---- input --------------------------------------------------------------------------------
   void validate() const {
-    SMP_CHECK(num_stages_ >= 1, "num_stages (pipeline_parallel_degree) must be >= 1, got ",
+    SMP_CHECK(num_stages_ >= 1, "num_stages (pipeline_parallel_degree) must be >= 1, got {}",
               num_stages_);
-    SMP_CHECK(memory_weight_ >= 0 && memory_weight_ <= 1,
-              "memory_weight must be in [0, 1] (0 = balance compute only, 1 = memory only), got ",
-              memory_weight_);
+    SMP_CHECK(
+        memory_weight_ >= 0 && memory_weight_ <= 1,
+        "memory_weight must be in [0, 1] (0 = balance compute only, 1 = memory only), got {:g}",
+        memory_weight_);
     SMP_CHECK(!nodes_.empty(), "cannot partition an empty module tree: pass at least the root");
-    SMP_CHECK(nodes_[0].parent == -1, "node 0 ('", name(0),
-              "') must be the root with parent -1, got parent ", nodes_[0].parent);
+    SMP_CHECK(nodes_[0].parent == -1,
+              "node 0 ('{}') must be the root with parent -1, got parent {}", name(0),
+              nodes_[0].parent);
     for (int v = 0; v < num_nodes(); ++v) {
       const PartitionNode& node = nodes_[v];
-      SMP_CHECK(v == 0 || (node.parent >= 0 && node.parent < v), "node ", v, " ('", node.name,
-                "') has parent ", node.parent,
-                "; the root is node 0 and every other node's parent must be an earlier node "
-                "(0 <= parent < ",
-                v, ")");
-      SMP_CHECK(valid_cost(node.compute), "module '", node.name, "' has compute ", node.compute,
-                "; costs must be finite and >= 0");
-      SMP_CHECK(valid_cost(node.param_bytes), "module '", node.name, "' has param_bytes ",
-                node.param_bytes, "; costs must be finite and >= 0");
-      SMP_CHECK(valid_cost(node.activation_bytes), "module '", node.name, "' has activation_bytes ",
-                node.activation_bytes, "; costs must be finite and >= 0");
-      SMP_CHECK(node.pin >= -1, "module '", node.name, "' has pin ", node.pin,
-                "; use -1 for a free module or a stage in [0, ", num_stages_ - 1, "]");
-      SMP_CHECK(node.pin < num_stages_, "module '", node.name, "' is pinned to stage ", node.pin,
-                " but there are only ", num_stages_, " pipeline stages (0..", num_stages_ - 1,
-                "); pin it to a stage in that range or raise pipeline_parallel_degree");
+      SMP_CHECK(v == 0 || (node.parent >= 0 && node.parent < v),
+                "node {} ('{}') has parent {}; the root is node 0 and every other node's parent "
+                "must be an earlier node (0 <= parent < {})",
+                v, node.name, node.parent, v);
+      SMP_CHECK(valid_cost(node.compute),
+                "module '{}' has compute {:g}; costs must be finite and >= 0", node.name,
+                node.compute);
+      SMP_CHECK(valid_cost(node.param_bytes),
+                "module '{}' has param_bytes {:g}; costs must be finite and >= 0", node.name,
+                node.param_bytes);
+      SMP_CHECK(valid_cost(node.activation_bytes),
+                "module '{}' has activation_bytes {:g}; costs must be finite and >= 0", node.name,
+                node.activation_bytes);
+      SMP_CHECK(node.pin >= -1,
+                "module '{}' has pin {}; use -1 for a free module or a stage in [0, {}]", node.name,
+                node.pin, num_stages_ - 1);
+      SMP_CHECK(node.pin < num_stages_,
+                "module '{}' is pinned to stage {} but there are only {} pipeline stages (0..{}); "
+                "pin it to a stage in that range or raise pipeline_parallel_degree",
+                node.name, node.pin, num_stages_, num_stages_ - 1);
     }
-    SMP_CHECK(valid_cost(seconds_per_compute_), "seconds_per_compute must be finite and >= 0, got ",
-              seconds_per_compute_);
-    SMP_CHECK(valid_cost(latency_), "crossing_latency must be finite and >= 0 seconds, got ",
+    SMP_CHECK(valid_cost(seconds_per_compute_),
+              "seconds_per_compute must be finite and >= 0, got {:g}", seconds_per_compute_);
+    SMP_CHECK(valid_cost(latency_), "crossing_latency must be finite and >= 0 seconds, got {:g}",
               latency_);
-    SMP_CHECK(bandwidth_ > 0, "bandwidth must be > 0 bytes per second, got ", bandwidth_);
-    SMP_CHECK(valid_cost(balance_tolerance_), "balance_tolerance must be finite and >= 0, got ",
+    SMP_CHECK(bandwidth_ > 0, "bandwidth must be > 0 bytes per second, got {:g}", bandwidth_);
+    SMP_CHECK(valid_cost(balance_tolerance_), "balance_tolerance must be finite and >= 0, got {:g}",
               balance_tolerance_);
     for (std::size_t i = 0; i < calls_.size(); ++i) {
       const PartitionCall& call = calls_[i];
-      SMP_CHECK(call.caller >= -1 && call.caller < num_nodes(), "calls[", i, "] has caller ",
-                call.caller, "; use -1 (the step function) or a node in [0, ", num_nodes(), ")");
-      SMP_CHECK(call.callee >= 0 && call.callee < num_nodes(), "calls[", i, "] has callee ",
-                call.callee, "; use a node in [0, ", num_nodes(), ")");
-      const std::string who = "calls[" + std::to_string(i) + "] (into '" + name(call.callee) + "')";
-      SMP_CHECK(valid_cost(call.calls), who, " has calls ", call.calls,
-                "; counts must be finite and >= 0");
-      SMP_CHECK(valid_cost(call.forward_bytes), who, " has forward_bytes ", call.forward_bytes,
-                "; sizes must be finite and >= 0");
-      SMP_CHECK(valid_cost(call.backward_bytes), who, " has backward_bytes ", call.backward_bytes,
-                "; sizes must be finite and >= 0");
+      SMP_CHECK(call.caller >= -1 && call.caller < num_nodes(),
+                "calls[{}] has caller {}; use -1 (the step function) or a node in [0, {})", i,
+                call.caller, num_nodes());
+      SMP_CHECK(call.callee >= 0 && call.callee < num_nodes(),
+                "calls[{}] has callee {}; use a node in [0, {})", i, call.callee, num_nodes());
+      const std::string who =
+          fmt::format(FMT_STRING("calls[{}] (into '{}')"), i, name(call.callee));
+      SMP_CHECK(valid_cost(call.calls), "{} has calls {:g}; counts must be finite and >= 0", who,
+                call.calls);
+      SMP_CHECK(valid_cost(call.forward_bytes),
+                "{} has forward_bytes {:g}; sizes must be finite and >= 0", who,
+                call.forward_bytes);
+      SMP_CHECK(valid_cost(call.backward_bytes),
+                "{} has backward_bytes {:g}; sizes must be finite and >= 0", who,
+                call.backward_bytes);
     }
   }
 
@@ -577,19 +587,22 @@ class Partitioner {
     std::iota(by_cost.begin(), by_cost.end(), 0);
     std::stable_sort(by_cost.begin(), by_cost.end(),
                      [&](int a, int b) { return own_[a] > own_[b]; });
-    std::ostringstream largest;
+    std::string largest;
     for (int i = 0; i < std::min(3, num_nodes()); ++i) {
       const int v = by_cost[i];
-      largest << (i ? ", " : "") << "'" << name(v) << "' (" << own_[v] << ")";
+      fmt::format_to(std::back_inserter(largest), FMT_STRING("{}'{}' ({:g})"), i ? ", " : "",
+                     name(v), own_[v]);
     }
-    SMP_CHECK(false, "cannot partition the model into ", num_stages_,
-              " pipeline stages: its tree has only ", units,
-              " units that can go to distinct stages (", free_modules, " free modules",
-              pinned_stages ? " + " : "", pinned_stages ? std::to_string(pinned_stages) : "",
-              pinned_stages ? " stages holding pinned modules" : "",
-              "), so some stage would be empty. Largest modules by cost: ", largest.str(),
-              ". Use a smaller pipeline_parallel_degree (at most ", units,
-              ") or place modules manually with smp.partition / smp.set_partition.");
+    SMP_CHECK(false,
+              "cannot partition the model into {} pipeline stages: its tree has only {} units that "
+              "can go to distinct stages ({} free modules{}), so some stage would be empty. "
+              "Largest modules by cost: {}. Use a smaller pipeline_parallel_degree (at most {}) or "
+              "place modules manually with smp.partition / smp.set_partition.",
+              num_stages_, units, free_modules,
+              pinned_stages
+                  ? fmt::format(FMT_STRING(" + {} stages holding pinned modules"), pinned_stages)
+                  : "",
+              largest, units);
   }
 
   // ---- placement ----------------------------------------------------------------------------
@@ -1200,9 +1213,9 @@ class Partitioner {
     std::vector<int> count(num_stages_, 0);
     for (int v = 0; v < num_nodes(); ++v) {
       const int s = stage_[v];
-      SMP_INTERNAL_ASSERT(s >= 0 && s < num_stages_, "module '", name(v), "' got stage ", s);
-      SMP_INTERNAL_ASSERT(eff_pin_[v] == -1 || s == eff_pin_[v], "module '", name(v),
-                          "' ignores its pin");
+      SMP_INTERNAL_ASSERT(s >= 0 && s < num_stages_, "module '{}' got stage {}", name(v), s);
+      SMP_INTERNAL_ASSERT(eff_pin_[v] == -1 || s == eff_pin_[v], "module '{}' ignores its pin",
+                          name(v));
       ++count[s];
       plan.stage_cost[s] += own_[v];
       plan.stage_param_bytes[s] += nodes_[v].param_bytes;
@@ -1210,7 +1223,7 @@ class Partitioner {
       plan.stage_compute[s] += nodes_[v].compute;
     }
     for (int s = 0; s < num_stages_; ++s) {
-      SMP_INTERNAL_ASSERT(count[s] > 0, "stage ", s, " is empty");
+      SMP_INTERNAL_ASSERT(count[s] > 0, "stage {} is empty", s);
     }
     plan.max_stage_cost = *std::max_element(plan.stage_cost.begin(), plan.stage_cost.end());
     const double total = std::accumulate(plan.stage_cost.begin(), plan.stage_cost.end(), 0.0);
@@ -1283,10 +1296,10 @@ PartitionPlan partition(const std::vector<PartitionNode>& nodes, const Partition
 }
 
 std::vector<int> optimal_contiguous_partition(const std::vector<double>& costs, int num_parts) {
-  SMP_CHECK(num_parts >= 1, "num_parts must be >= 1, got ", num_parts);
+  SMP_CHECK(num_parts >= 1, "num_parts must be >= 1, got {}", num_parts);
   for (std::size_t i = 0; i < costs.size(); ++i) {
-    SMP_CHECK(valid_cost(costs[i]), "costs[", i, "] is ", costs[i],
-              "; costs must be finite and >= 0");
+    SMP_CHECK(valid_cost(costs[i]), "costs[{}] is {:g}; costs must be finite and >= 0", i,
+              costs[i]);
   }
   const int m = static_cast<int>(costs.size());
   std::vector<int> part(m);

@@ -4,9 +4,9 @@
 #include <cctype>
 #include <cmath>
 #include <cstddef>
+#include <iterator>
 #include <map>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -53,8 +53,6 @@
 
 namespace smp::schedule {
 namespace {
-
-using internal::concat;
 
 constexpr ActionType kAllTypes[] = {
     ActionType::kForward,        ActionType::kFullBackward, ActionType::kBackwardInput,
@@ -113,7 +111,9 @@ class Index {
   std::map<Action, Cell> cells_;
 };
 
-std::string where(const Cell& cell) { return concat("rank ", cell.rank, ", step ", cell.step); }
+std::string where(const Cell& cell) {
+  return fmt::format(FMT_STRING("rank {}, step {}"), cell.rank, cell.step);
+}
 
 // ---- execution ----------------------------------------------------------------------------------
 
@@ -208,16 +208,17 @@ class Executor {
       std::string reason;
       if (node.partner >= 0 && is_send(node.action.type)) {
         const Node& recv = nodes_[node.partner];
-        reason = concat("waits for rank ", recv.rank, " to reach ", to_string(recv.action),
-                        " (step ", recv.step, ", rendezvous send)");
+        reason = fmt::format(FMT_STRING("waits for rank {} to reach {} (step {}, rendezvous send)"),
+                             recv.rank, to_string(recv.action), recv.step);
       } else if (node.partner >= 0) {
         const Node& send = nodes_[node.partner];
-        reason = concat("waits for ", to_string(send.action), " (", where(cell(send)), ")");
+        reason =
+            fmt::format(FMT_STRING("waits for {} ({})"), to_string(send.action), where(cell(send)));
       } else {
         for (int d : node.deps) {
           if (!done_[d]) {
-            reason = concat("waits for ", to_string(nodes_[d].action), " (", where(cell(nodes_[d])),
-                            ")");
+            reason = fmt::format(FMT_STRING("waits for {} ({})"), to_string(nodes_[d].action),
+                                 where(cell(nodes_[d])));
             break;
           }
         }
@@ -255,7 +256,7 @@ class Executor {
     double end = 0;
     const ActionCosts& costs = costs_.size() == 1 ? costs_[0] : costs_.at(node.action.stage);
     if (is_communication(node.action.type)) {
-      SMP_INTERNAL_ASSERT(node.partner >= 0, "unmatched ", to_string(node.action));
+      SMP_INTERNAL_ASSERT(node.partner >= 0, "unmatched {}", to_string(node.action));
       const Node& peer = nodes_[node.partner];
       if (is_send(node.action.type)) {
         if (rendezvous_) {
@@ -307,22 +308,22 @@ constexpr const char* kGridLegend = "(>x< marks the failing step; '.' is an idle
 
 [[noreturn]] void fail(const Schedule& schedule, const std::vector<Cell>& marked,
                        const std::string& what) {
-  throw Error(concat("invalid schedule: ", what, "\n", format_grid(schedule, marked), kGridLegend));
+  throw Error(fmt::format(FMT_STRING("invalid schedule: {}\n{}{}"), what,
+                          format_grid(schedule, marked), kGridLegend));
 }
 
 // `rendezvous`: say that the deadlock needs rendezvous sends (a lowered schedule run so).
 [[noreturn]] void fail_deadlock(const Schedule& schedule, const Executor& executor,
                                 bool rendezvous) {
-  std::ostringstream what;
-  what << "the schedule deadlocks" << (rendezvous ? " under rendezvous sends" : "")
-       << ": no rank can proceed";
+  std::string what = fmt::format(FMT_STRING("the schedule deadlocks{}: no rank can proceed"),
+                                 rendezvous ? " under rendezvous sends" : "");
   std::vector<Cell> marked;
   for (const auto& [cell, reason] : executor.blocked()) {
-    what << "\n  " << where(cell) << " (" << to_string(*schedule[cell.rank][cell.step]) << ") "
-         << reason;
+    fmt::format_to(std::back_inserter(what), FMT_STRING("\n  {} ({}) {}"), where(cell),
+                   to_string(*schedule[cell.rank][cell.step]), reason);
     marked.push_back(cell);
   }
-  fail(schedule, marked, what.str());
+  fail(schedule, marked, what);
 }
 
 // The checks of validate_schedule(), in order; the deadlock check is optional (simulate() runs
@@ -356,7 +357,7 @@ class Checker {
   // Where `action` is; the checks that ran before guarantee that it exists.
   Cell locate(const Action& action) const {
     const Cell* cell = index_.find(action);
-    SMP_INTERNAL_ASSERT(cell != nullptr, to_string(action), " not found");
+    SMP_INTERNAL_ASSERT(cell != nullptr, "{} not found", to_string(action));
     return *cell;
   }
 
@@ -370,17 +371,19 @@ class Checker {
         const Action& a = *slot;
         const Cell cell{rank, step};
         const auto bad = [&](const std::string& what) {
-          fail(schedule_, {cell}, concat(where(cell), ": ", to_string(a), " ", what));
+          fail(schedule_, {cell},
+               fmt::format(FMT_STRING("{}: {} {}"), where(cell), to_string(a), what));
         };
         if (a.stage < 0 || a.stage >= num_stages_) {
-          bad(concat("names stage ", a.stage, ", outside [0, ", num_stages_, ")"));
+          bad(fmt::format(FMT_STRING("names stage {}, outside [0, {})"), a.stage, num_stages_));
         }
         if (a.microbatch < 0 || a.microbatch >= num_microbatches_) {
-          bad(concat("names microbatch ", a.microbatch, ", outside [0, ", num_microbatches_, ")"));
+          bad(fmt::format(FMT_STRING("names microbatch {}, outside [0, {})"), a.microbatch,
+                          num_microbatches_));
         }
         if (rank_of(a.stage) != rank) {
-          bad(concat("runs on rank ", rank, ", but stage ", a.stage, " is on rank ",
-                     rank_of(a.stage), " (stage_to_rank)"));
+          bad(fmt::format(FMT_STRING("runs on rank {}, but stage {} is on rank {} (stage_to_rank)"),
+                          rank, a.stage, rank_of(a.stage)));
         }
         if (is_communication(a.type)) {
           lowered_ = true;
@@ -388,19 +391,19 @@ class Checker {
               a.type == ActionType::kSendForward || a.type == ActionType::kRecvBackward;
           const int peer_stage = forward ? a.stage + 1 : a.stage - 1;
           if (peer_stage < 0 || peer_stage >= num_stages_) {
-            bad(concat("has no peer: stage ", a.stage, " is the ", forward ? "last" : "first",
-                       " stage"));
+            bad(fmt::format(FMT_STRING("has no peer: stage {} is the {} stage"), a.stage,
+                            forward ? "last" : "first"));
           }
           if (rank_of(peer_stage) == rank) {
-            bad(concat("is not needed: stages ", a.stage, " and ", peer_stage, " are both on rank ",
-                       rank));
+            bad(fmt::format(FMT_STRING("is not needed: stages {} and {} are both on rank {}"),
+                            a.stage, peer_stage, rank));
           }
         }
         auto [it, inserted] = seen.emplace(a, cell);
         if (!inserted) {
           fail(schedule_, {it->second, cell},
-               concat(to_string(a), " appears twice: at ", where(it->second), " and at ",
-                      where(cell)));
+               fmt::format(FMT_STRING("{} appears twice: at {} and at {}"), to_string(a),
+                           where(it->second), where(cell)));
         }
       }
     }
@@ -414,7 +417,8 @@ class Checker {
         const auto missing = [&](ActionType type, const std::string& why) {
           const Action a{s, type, m};
           fail(schedule_, {},
-               concat(to_string(a), " is missing (it belongs on rank ", rank_of(s), "): ", why));
+               fmt::format(FMT_STRING("{} is missing (it belongs on rank {}): {}"), to_string(a),
+                           rank_of(s), why));
         };
         const Action f{s, ActionType::kForward, m};
         const Action b{s, ActionType::kFullBackward, m};
@@ -425,17 +429,19 @@ class Checker {
           for (const Action& half : {i, w}) {
             if (index_.contains(half)) {
               fail(schedule_, {locate(b), locate(half)},
-                   concat(to_string(b), " and ", to_string(half),
-                          " both present: a backward is either B, or I and W"));
+                   fmt::format(
+                       FMT_STRING("{} and {} both present: a backward is either B, or I and W"),
+                       to_string(b), to_string(half)));
             }
           }
         } else if (!index_.contains(i) && !index_.contains(w)) {
-          missing(b.type,
-                  concat("every stage runs a backward of every microbatch (B, or I and ", "W)"));
+          missing(b.type, "every stage runs a backward of every microbatch (B, or I and W)");
         } else if (!index_.contains(w)) {
-          missing(w.type, concat(to_string(i), " computes only the input gradient"));
+          missing(w.type,
+                  fmt::format(FMT_STRING("{} computes only the input gradient"), to_string(i)));
         } else if (!index_.contains(i)) {
-          missing(i.type, concat(to_string(w), " needs the input-gradient half first"));
+          missing(i.type,
+                  fmt::format(FMT_STRING("{} needs the input-gradient half first"), to_string(w)));
         }
         if (!lowered_) continue;
         // Forward edge s -> s+1 and backward edge s -> s-1, when they cross ranks.
@@ -455,9 +461,9 @@ class Checker {
     for (const Action& a : {send, recv}) {
       if (!index_.contains(a)) {
         fail(schedule_, {locate(producer)},
-             concat(to_string(a), " is missing (it belongs on rank ", rank_of(a.stage),
-                    "): the schedule is lowered and ", to_string(producer),
-                    " feeds a stage on another rank"));
+             fmt::format(FMT_STRING("{} is missing (it belongs on rank {}): the schedule is "
+                                    "lowered and {} feeds a stage on another rank"),
+                         to_string(a), rank_of(a.stage), to_string(producer)));
       }
     }
   }
@@ -472,8 +478,9 @@ class Checker {
           const Cell at = locate(before);
           if (at.step > step) {
             fail(schedule_, {Cell{rank, step}},
-                 concat(where(Cell{rank, step}), ": ", to_string(*slot), " runs before ",
-                        to_string(before), " (step ", at.step, "), ", why));
+                 fmt::format(FMT_STRING("{}: {} runs before {} (step {}), {}"),
+                             where(Cell{rank, step}), to_string(*slot), to_string(before), at.step,
+                             why));
           }
         }
       }
@@ -533,15 +540,15 @@ class Checker {
 
 void check_arguments(const Schedule& schedule, int num_stages, int num_microbatches,
                      const std::vector<int>& stage_to_rank) {
-  SMP_CHECK(num_stages >= 1, "num_stages must be >= 1, got ", num_stages);
-  SMP_CHECK(num_microbatches >= 1, "num_microbatches must be >= 1, got ", num_microbatches);
+  SMP_CHECK(num_stages >= 1, "num_stages must be >= 1, got {}", num_stages);
+  SMP_CHECK(num_microbatches >= 1, "num_microbatches must be >= 1, got {}", num_microbatches);
   SMP_CHECK(static_cast<int>(stage_to_rank.size()) == num_stages,
-            "stage_to_rank must have one entry per stage (", num_stages, "), got ",
+            "stage_to_rank must have one entry per stage ({}), got {}", num_stages,
             stage_to_rank.size());
   for (int s = 0; s < num_stages; ++s) {
     SMP_CHECK(stage_to_rank[s] >= 0 && stage_to_rank[s] < static_cast<int>(schedule.size()),
-              "stage_to_rank[", s, "] = ", stage_to_rank[s], " is not a rank of the schedule (",
-              schedule.size(), " ranks, one program each)");
+              "stage_to_rank[{}] = {} is not a rank of the schedule ({} ranks, one program each)",
+              s, stage_to_rank[s], schedule.size());
   }
 }
 
@@ -556,15 +563,15 @@ void check_costs(const char* function, const ActionCosts& costs) {
       {"latency", costs.latency},
   };
   for (const auto& [name, value] : named_costs) {
-    SMP_CHECK(std::isfinite(value) && value >= 0, function, ": cost ", name,
-              " must be finite and >= 0, got ", value);
+    SMP_CHECK(std::isfinite(value) && value >= 0, "{}: cost {} must be finite and >= 0, got {:g}",
+              function, name, value);
   }
 }
 
 // ---- generators ---------------------------------------------------------------------------------
 
 void check_count(const char* generator, const char* name, int value) {
-  SMP_CHECK(value >= 1, generator, ": ", name, " must be >= 1, got ", value);
+  SMP_CHECK(value >= 1, "{}: {} must be >= 1, got {}", generator, name, value);
 }
 
 // Lays per-rank orders of compute actions out on the unit-time grid (file comment of schedule.h):
@@ -615,7 +622,7 @@ const char* action_type_name(ActionType type) {
     case ActionType::kRecvBackward:
       return "RECV_B";
   }
-  SMP_INTERNAL_ASSERT(false, "unknown ActionType ", static_cast<int>(type));
+  SMP_INTERNAL_ASSERT(false, "unknown ActionType {}", static_cast<int>(type));
 }
 
 ActionType parse_action_type(const std::string& name) {
@@ -623,12 +630,13 @@ ActionType parse_action_type(const std::string& name) {
     if (name == action_type_name(type)) return type;
   }
   for (const char* torch_only : kTorchOnlyTypes) {
-    SMP_CHECK(name != torch_only, "action type ", name,
-              " of torch.distributed.pipelining is not supported by smp's schedule IR; "
-              "supported: ",
-              kTypeList);
+    SMP_CHECK(name != torch_only,
+              "action type {} of torch.distributed.pipelining is not supported by smp's schedule "
+              "IR; supported: {}",
+              name, kTypeList);
   }
-  throw Error(concat("unknown action type \"", name, "\"; expected one of ", kTypeList));
+  throw Error(
+      fmt::format(FMT_STRING("unknown action type \"{}\"; expected one of {}"), name, kTypeList));
 }
 
 bool is_compute(ActionType type) { return !is_communication(type); }
@@ -644,16 +652,17 @@ bool Action::operator<(const Action& other) const {
 }
 
 std::string to_string(const Action& action) {
-  return concat(action.stage, action_type_name(action.type), action.microbatch);
+  return fmt::format(FMT_STRING("{}{}{}"), action.stage, action_type_name(action.type),
+                     action.microbatch);
 }
 
 Action parse_action(const std::string& text) {
   const std::string s = trim(text);
   const auto bad = [&](const std::string& why) {
-    return Error(concat("invalid action \"", text, "\": ", why,
-                        "; expected <stage><type><microbatch> such as \"1F0\" or \"0SEND_B3\", "
-                        "with type one of ",
-                        kTypeList));
+    return Error(
+        fmt::format(FMT_STRING("invalid action \"{}\": {}; expected <stage><type><microbatch> such "
+                               "as \"1F0\" or \"0SEND_B3\", with type one of {}"),
+                    text, why, kTypeList));
   };
   if (!s.empty() && s.front() == '(') {
     throw bad("OVERLAP_F_B groups of torch.distributed.pipelining are not supported");
@@ -662,8 +671,8 @@ Action parse_action(const std::string& text) {
   const auto read_number = [&](const char* what) {
     const std::size_t begin = pos;
     while (pos < s.size() && std::isdigit(static_cast<unsigned char>(s[pos]))) ++pos;
-    if (pos == begin) throw bad(concat("no ", what, " index"));
-    if (pos - begin > 9) throw bad(concat("the ", what, " index is too large"));
+    if (pos == begin) throw bad(fmt::format(FMT_STRING("no {} index"), what));
+    if (pos - begin > 9) throw bad(fmt::format(FMT_STRING("the {} index is too large"), what));
     return std::stoi(s.substr(begin, pos - begin));
   };
   Action action;
@@ -679,13 +688,17 @@ Action parse_action(const std::string& text) {
   if (known == std::end(kAllTypes)) {
     const bool torch_only = std::any_of(std::begin(kTorchOnlyTypes), std::end(kTorchOnlyTypes),
                                         [&](const char* name) { return type == name; });
-    throw bad(torch_only ? concat("type ", type,
-                                  " of torch.distributed.pipelining is not supported by smp")
-                         : concat("unknown type \"", type, "\""));
+    if (torch_only) {
+      throw bad(fmt::format(
+          FMT_STRING("type {} of torch.distributed.pipelining is not supported by smp"), type));
+    }
+    throw bad(fmt::format(FMT_STRING("unknown type \"{}\""), type));
   }
   action.type = *known;
   action.microbatch = read_number("microbatch");
-  if (pos != s.size()) throw bad(concat("unexpected \"", s.substr(pos), "\" after the action"));
+  if (pos != s.size()) {
+    throw bad(fmt::format(FMT_STRING("unexpected \"{}\" after the action"), s.substr(pos)));
+  }
   return action;
 }
 
@@ -744,12 +757,11 @@ Schedule interleaved_1f1b(int num_ranks, int virtual_stages_per_rank, int num_mi
   const int m = num_microbatches;
   if (m % p != 0) {
     const int lower = (m / p) * p;
-    throw Error(
-        concat("interleaved_1f1b: num_microbatches must be a multiple of num_ranks "
-               "(microbatches go through the virtual stages in groups of num_ranks), got "
-               "num_microbatches=",
-               m, ", num_ranks=", p,
-               "; use num_microbatches=", lower > 0 ? concat(lower, " or ") : "", lower + p));
+    throw Error(fmt::format(
+        FMT_STRING("interleaved_1f1b: num_microbatches must be a multiple of num_ranks "
+                   "(microbatches go through the virtual stages in groups of num_ranks), got "
+                   "num_microbatches={}, num_ranks={}; use num_microbatches={}{}"),
+        m, p, lower > 0 ? fmt::format(FMT_STRING("{} or "), lower) : "", lower + p));
   }
   const int total = m * v;  // forwards (and backwards) per rank
   std::vector<std::vector<Action>> orders(p);
@@ -816,16 +828,18 @@ Schedule add_communication(const Schedule& schedule, const std::vector<int>& sta
   for (ActionType type : {ActionType::kForward, ActionType::kFullBackward,
                           ActionType::kBackwardInput, ActionType::kBackwardWeight}) {
     SMP_CHECK(costs.of(type) > 0,
-              "add_communication: compute costs must be > 0 (they order the "
-              "messages, Note [Send/recv order]), got ",
-              costs.of(type), " for ", action_type_name(type));
+              "add_communication: compute costs must be > 0 (they order the messages, "
+              "Note [Send/recv order]), got {:g} for {}",
+              costs.of(type), action_type_name(type));
   }
   int num_microbatches = 0;
   for (const Program& program : schedule) {
     for (const std::optional<Action>& slot : program) {
       if (!slot) continue;
-      SMP_CHECK(is_compute(slot->type), "add_communication: the schedule already holds ",
-                to_string(*slot), "; pass a compute-only schedule (F, B, I, W)");
+      SMP_CHECK(is_compute(slot->type),
+                "add_communication: the schedule already holds {}; pass a compute-only schedule "
+                "(F, B, I, W)",
+                to_string(*slot));
       num_microbatches = std::max(num_microbatches, slot->microbatch + 1);
     }
   }
@@ -903,7 +917,7 @@ Schedule add_communication(const Schedule& schedule, const std::vector<int>& sta
           sends.begin(), sends.end(), incoming[j].key,
           [](const Key& k, const std::pair<Key, std::size_t>& send) { return k < send.first; });
       SMP_INTERNAL_ASSERT(later_send == sends.begin() || std::prev(later_send)->second < anchor[j],
-                          "Note [Send/recv order] broken for ", to_string(incoming[j].recv));
+                          "Note [Send/recv order] broken for {}", to_string(incoming[j].recv));
     }
     Program& program = lowered[rank];
     std::size_t next = 0;
@@ -913,7 +927,7 @@ Schedule add_communication(const Schedule& schedule, const std::vector<int>& sta
       }
       program.emplace_back(seq[k]);
     }
-    SMP_INTERNAL_ASSERT(next == incoming.size(), "RECV placed past the end of rank ", rank);
+    SMP_INTERNAL_ASSERT(next == incoming.size(), "RECV placed past the end of rank {}", rank);
   }
   return lowered;
 }
@@ -935,14 +949,16 @@ std::string format_grid(const Schedule& schedule, const std::vector<Cell>& marke
       if (slot) width = std::max(width, to_string(*slot).size());
     }
   }
-  if (num_steps > 0) width = std::max(width, std::to_string(num_steps - 1).size());
-  const std::string last_label = concat("rank ", schedule.empty() ? 0 : schedule.size() - 1);
+  if (num_steps > 0) width = std::max(width, fmt::format(FMT_STRING("{}"), num_steps - 1).size());
+  const std::string last_label =
+      fmt::format(FMT_STRING("rank {}"), schedule.empty() ? 0 : schedule.size() - 1);
   const std::size_t label_width = std::max<std::size_t>(4, last_label.size());
 
-  std::ostringstream out;
+  std::string out;
   const auto emit_line = [&](std::string line) {
     line.erase(line.find_last_not_of(' ') + 1);
-    out << line << "\n";
+    out += line;
+    out += '\n';
   };
   const auto pad = [](std::string text, std::size_t size) {
     text.resize(std::max(size, text.size()), ' ');
@@ -950,11 +966,11 @@ std::string format_grid(const Schedule& schedule, const std::vector<Cell>& marke
   };
   std::string header = pad("step", label_width);
   for (std::size_t step = 0; step < num_steps; ++step) {
-    header += " " + pad(std::to_string(step), width) + " ";
+    header += " " + pad(fmt::format(FMT_STRING("{}"), step), width) + " ";
   }
   emit_line(header);
   for (std::size_t rank = 0; rank < schedule.size(); ++rank) {
-    std::string line = pad(concat("rank ", rank), label_width);
+    std::string line = pad(fmt::format(FMT_STRING("rank {}"), rank), label_width);
     for (std::size_t step = 0; step < schedule[rank].size(); ++step) {
       const std::optional<Action>& slot = schedule[rank][step];
       const std::string text = slot ? to_string(*slot) : ".";
@@ -965,7 +981,7 @@ std::string format_grid(const Schedule& schedule, const std::vector<Cell>& marke
     }
     emit_line(line);
   }
-  return out.str();
+  return out;
 }
 
 // ---- CSV ----------------------------------------------------------------------------------------
@@ -1014,8 +1030,8 @@ Schedule from_csv(const std::string& text) {
         try {
           program.emplace_back(parse_action(cell));
         } catch (const Error& e) {
-          throw Error(concat("CSV row ", rank + 1, " (rank ", rank, "), cell ", program.size() + 1,
-                             " (step ", program.size(), "): ", e.what()));
+          throw Error(fmt::format(FMT_STRING("CSV row {} (rank {}), cell {} (step {}): {}"),
+                                  rank + 1, rank, program.size() + 1, program.size(), e.what()));
         }
       }
       if (last) break;
@@ -1044,7 +1060,7 @@ double ActionCosts::of(ActionType type) const {
     case ActionType::kRecvBackward:
       return recv;
   }
-  SMP_INTERNAL_ASSERT(false, "unknown ActionType ", static_cast<int>(type));
+  SMP_INTERNAL_ASSERT(false, "unknown ActionType {}", static_cast<int>(type));
 }
 
 namespace {
@@ -1065,15 +1081,18 @@ Timeline simulate_with(const Schedule& schedule, const std::vector<ActionCosts>&
     for (int step = 0; step < static_cast<int>(schedule[rank].size()); ++step) {
       const std::optional<Action>& slot = schedule[rank][step];
       if (!slot) continue;
-      SMP_CHECK(slot->stage >= 0 && slot->microbatch >= 0, "simulate: ", to_string(*slot),
-                " at rank ", rank, ", step ", step, " has a negative index");
+      SMP_CHECK(slot->stage >= 0 && slot->microbatch >= 0,
+                "simulate: {} at rank {}, step {} has a negative index", to_string(*slot), rank,
+                step);
       num_stages = std::max(num_stages, slot->stage + 1);
       num_microbatches = std::max(num_microbatches, slot->microbatch + 1);
       auto [it, inserted] = first_cell_of_stage.emplace(slot->stage, Cell{rank, step});
       if (!inserted && it->second.rank != rank) {
         fail(schedule, {it->second, Cell{rank, step}},
-             concat("stage ", slot->stage, " has actions on rank ", it->second.rank,
-                    " and on rank ", rank, "; a stage runs on one rank"));
+             fmt::format(
+                 FMT_STRING(
+                     "stage {} has actions on rank {} and on rank {}; a stage runs on one rank"),
+                 slot->stage, it->second.rank, rank));
       }
     }
   }
@@ -1081,13 +1100,14 @@ Timeline simulate_with(const Schedule& schedule, const std::vector<ActionCosts>&
   std::vector<int> stage_to_rank(num_stages);
   for (int s = 0; s < num_stages; ++s) {
     auto it = first_cell_of_stage.find(s);
-    SMP_CHECK(it != first_cell_of_stage.end(), "simulate: stage ", s, " has no actions, but stage ",
-              num_stages - 1, " has");
+    SMP_CHECK(it != first_cell_of_stage.end(),
+              "simulate: stage {} has no actions, but stage {} has", s, num_stages - 1);
     stage_to_rank[s] = it->second.rank;
   }
-  SMP_CHECK(!per_stage || static_cast<int>(costs.size()) == num_stages, "simulate: ", costs.size(),
-            " per-stage costs for a schedule of ", num_stages,
-            " stages; give one ActionCosts per stage, or one for all");
+  SMP_CHECK(!per_stage || static_cast<int>(costs.size()) == num_stages,
+            "simulate: {} per-stage costs for a schedule of {} stages; give one ActionCosts per "
+            "stage, or one for all",
+            costs.size(), num_stages);
   Checker checker(schedule, num_stages, num_microbatches, stage_to_rank);
   checker.check(/*check_deadlock=*/false);
 

@@ -1,8 +1,11 @@
 #include "smp/server_policy.h"
 
+#include <fmt/ranges.h>
+
 #include <climits>
 #include <iterator>
-#include <sstream>
+#include <string>
+#include <vector>
 
 #include "smp/error.h"
 
@@ -12,8 +15,8 @@ PipelineKind parse_pipeline_kind(const std::string& name) {
   if (name == "simple") return PipelineKind::kSimple;
   if (name == "interleaved") return PipelineKind::kInterleaved;
   if (name == "static") return PipelineKind::kStatic;
-  throw Error(internal::concat("pipeline must be \"simple\", \"interleaved\" or \"static\", got \"",
-                               name, "\""));
+  throw Error(fmt::format(
+      FMT_STRING("pipeline must be \"simple\", \"interleaved\" or \"static\", got \"{}\""), name));
 }
 
 const char* pipeline_kind_name(PipelineKind kind) {
@@ -45,8 +48,8 @@ const char* task_kind_name(TaskKind kind) {
 }
 
 std::string Task::to_string() const {
-  return internal::concat(task_kind_name(kind), "(mb=", microbatch, ", id=", id, ", seq=", sequence,
-                          ")");
+  return fmt::format(FMT_STRING("{}(mb={}, id={}, seq={})"), task_kind_name(kind), microbatch, id,
+                     sequence);
 }
 
 namespace {
@@ -92,21 +95,21 @@ ServerPolicy::ServerPolicy(PipelineKind kind, int num_microbatches, int active_m
       deferred_weight_microbatches_(deferred_weight_microbatches) {
   SMP_CHECK(kind == PipelineKind::kSimple || kind == PipelineKind::kInterleaved ||
                 kind == PipelineKind::kStatic,
-            "unknown pipeline kind ", static_cast<int>(kind));
-  SMP_CHECK(kind == PipelineKind::kStatic || program.empty(), "a program is for the \"static\" ",
-            "pipeline only, not \"", pipeline_kind_name(kind), "\"");
-  SMP_CHECK(num_microbatches >= 1, "microbatches must be >= 1, got ", num_microbatches);
+            "unknown pipeline kind {}", static_cast<int>(kind));
+  SMP_CHECK(kind == PipelineKind::kStatic || program.empty(),
+            "a program is for the \"static\" pipeline only, not \"{}\"", pipeline_kind_name(kind));
+  SMP_CHECK(num_microbatches >= 1, "microbatches must be >= 1, got {}", num_microbatches);
   SMP_CHECK(active_microbatches >= 1 && active_microbatches <= num_microbatches,
-            "active_microbatches must be in [1, microbatches=", num_microbatches, "], got ",
+            "active_microbatches must be in [1, microbatches={}], got {}", num_microbatches,
             active_microbatches);
-  SMP_CHECK(deferred_weight_microbatches >= 0, "deferred_weight_microbatches must be >= 0, got ",
+  SMP_CHECK(deferred_weight_microbatches >= 0, "deferred_weight_microbatches must be >= 0, got {}",
             deferred_weight_microbatches);
   if (is_leader_) phase_.assign(num_microbatches_, Phase::kNotStarted);
   if (kind_ == PipelineKind::kStatic) build_program(program);
 }
 
 void ServerPolicy::build_program(const schedule::Program& program) {
-  std::ostringstream text;
+  std::string text;
   std::vector<int> backward_before;  // leader: microbatches whose B came before, so far
   if (is_leader_) start_after_.assign(num_microbatches_, {});
   for (const auto& step : program) {
@@ -114,13 +117,15 @@ void ServerPolicy::build_program(const schedule::Program& program) {
     const char cls = action_class(step->type);
     if (cls == '\0') continue;  // communication: messages drive it here
     const int mb = step->microbatch;
-    SMP_CHECK(mb >= 0 && mb < num_microbatches_, "static pipeline: action ",
-              schedule::to_string(*step), " names microbatch ", mb, ", outside [0, ",
-              num_microbatches_, ")");
+    SMP_CHECK(mb >= 0 && mb < num_microbatches_,
+              "static pipeline: action {} names microbatch {}, outside [0, {})",
+              schedule::to_string(*step), mb, num_microbatches_);
     const auto inserted = positions_.emplace(std::make_pair(cls, mb), positions_.size());
-    SMP_CHECK(inserted.second, "static pipeline: the program has ", schedule::to_string(*step),
-              " twice (or both B and I of microbatch ", mb, ")");
-    text << (positions_.size() > 1 ? " " : "") << schedule::to_string(*step);
+    SMP_CHECK(inserted.second,
+              "static pipeline: the program has {} twice (or both B and I of microbatch {})",
+              schedule::to_string(*step), mb);
+    if (positions_.size() > 1) text += ' ';
+    text += schedule::to_string(*step);
     if (!is_leader_) continue;
     if (cls == 'B') backward_before.push_back(mb);
     if (cls == 'F') start_after_[mb] = backward_before;
@@ -128,11 +133,11 @@ void ServerPolicy::build_program(const schedule::Program& program) {
   SMP_CHECK(!positions_.empty(), "static pipeline: the program has no compute action");
   if (is_leader_) {
     for (int mb = 0; mb < num_microbatches_; ++mb) {
-      SMP_CHECK(positions_.count({'F', mb}), "static pipeline: the leader's program has no F of ",
-                "microbatch ", mb, " (", text.str(), ")");
+      SMP_CHECK(positions_.count({'F', mb}),
+                "static pipeline: the leader's program has no F of microbatch {} ({})", mb, text);
     }
   }
-  program_text_ = text.str();
+  program_text_ = text;
 }
 
 int64_t ServerPolicy::position(TaskKind kind, int microbatch) const {
@@ -141,33 +146,39 @@ int64_t ServerPolicy::position(TaskKind kind, int microbatch) const {
 }
 
 int ServerPolicy::check_microbatch(int microbatch, const char* what) const {
-  SMP_CHECK(microbatch >= 0 && microbatch < num_microbatches_, what, ": microbatch ", microbatch,
-            " is outside [0, ", num_microbatches_, ")");
+  SMP_CHECK(microbatch >= 0 && microbatch < num_microbatches_,
+            "{}: microbatch {} is outside [0, {})", what, microbatch, num_microbatches_);
   return microbatch;
 }
 
 void ServerPolicy::check_leader(const char* what) const {
-  SMP_CHECK(is_leader_, what,
-            " is for the leader (pp rank 0) only: other ranks track no microbatch lifecycle");
+  SMP_CHECK(is_leader_,
+            "{} is for the leader (pp rank 0) only: other ranks track no microbatch lifecycle",
+            what);
 }
 
 Task ServerPolicy::push(TaskKind kind, int microbatch, int64_t id) {
   check_microbatch(microbatch, "push");
-  SMP_CHECK(kind != TaskKind::kStartMicrobatch, "push: start tasks are generated by the leader's ",
-            "policy, do not push them (microbatch ", microbatch, ")");
-  SMP_CHECK(kind != TaskKind::kWeight || !is_leader_, "push: weight task (id ", id,
-            ") for microbatch ", microbatch,
-            " on the leader: weight tasks are for other ranks, "
-            "whose step ends when their queue is empty");
+  SMP_CHECK(
+      kind != TaskKind::kStartMicrobatch,
+      "push: start tasks are generated by the leader's policy, do not push them (microbatch {})",
+      microbatch);
+  SMP_CHECK(kind != TaskKind::kWeight || !is_leader_,
+            "push: weight task (id {}) for microbatch {} on the leader: weight tasks are for other "
+            "ranks, whose step ends when their queue is empty",
+            id, microbatch);
   if (is_leader_) {
     const Phase phase = phase_[microbatch];
-    SMP_CHECK(phase != Phase::kNotStarted, "push: ", task_kind_name(kind), " task (id ", id,
-              ") for microbatch ", microbatch, ", which has not been started on the leader");
-    SMP_CHECK(phase != Phase::kFinished, "push: ", task_kind_name(kind), " task (id ", id,
-              ") for microbatch ", microbatch, ", which has already finished");
+    SMP_CHECK(phase != Phase::kNotStarted,
+              "push: {} task (id {}) for microbatch {}, which has not been started on the leader",
+              task_kind_name(kind), id, microbatch);
+    SMP_CHECK(phase != Phase::kFinished,
+              "push: {} task (id {}) for microbatch {}, which has already finished",
+              task_kind_name(kind), id, microbatch);
     SMP_CHECK(kind != TaskKind::kBackward || phase == Phase::kForwardDone,
-              "push: backward task (id ", id, ") for microbatch ", microbatch,
-              " before its forward is done; call on_forward_done(", microbatch, ") first");
+              "push: backward task (id {}) for microbatch {} before its forward is done; call "
+              "on_forward_done({}) first",
+              id, microbatch, microbatch);
   }
   const Task task{kind, microbatch, id, next_sequence_++};
   switch (kind) {
@@ -309,10 +320,10 @@ void ServerPolicy::on_forward_done(int microbatch) {
   check_leader("on_forward_done");
   check_microbatch(microbatch, "on_forward_done");
   Phase& phase = phase_[microbatch];
-  SMP_CHECK(phase != Phase::kNotStarted, "on_forward_done: microbatch ", microbatch,
-            " has not been started");
-  SMP_CHECK(phase != Phase::kFinished, "on_forward_done: microbatch ", microbatch,
-            " has already finished");
+  SMP_CHECK(phase != Phase::kNotStarted, "on_forward_done: microbatch {} has not been started",
+            microbatch);
+  SMP_CHECK(phase != Phase::kFinished, "on_forward_done: microbatch {} has already finished",
+            microbatch);
   if (phase == Phase::kForward) {
     phase = Phase::kForwardDone;
     ++num_forward_done_;
@@ -323,20 +334,22 @@ void ServerPolicy::on_microbatch_finished(int microbatch) {
   check_leader("on_microbatch_finished");
   check_microbatch(microbatch, "on_microbatch_finished");
   Phase& phase = phase_[microbatch];
-  SMP_CHECK(phase != Phase::kNotStarted, "on_microbatch_finished: microbatch ", microbatch,
-            " has not been started");
-  SMP_CHECK(phase != Phase::kFinished, "on_microbatch_finished: microbatch ", microbatch,
-            " has already finished");
+  SMP_CHECK(phase != Phase::kNotStarted,
+            "on_microbatch_finished: microbatch {} has not been started", microbatch);
+  SMP_CHECK(phase != Phase::kFinished, "on_microbatch_finished: microbatch {} has already finished",
+            microbatch);
   auto of_microbatch = [microbatch](const Task& task) { return task.microbatch == microbatch; };
   for (const auto* queue : {&resumes_, &requests_}) {
     for (const Task& task : *queue) {
-      SMP_CHECK(!of_microbatch(task), "on_microbatch_finished: microbatch ", microbatch,
-                " still has a queued task ", task.to_string());
+      SMP_CHECK(!of_microbatch(task),
+                "on_microbatch_finished: microbatch {} still has a queued task {}", microbatch,
+                task.to_string());
     }
   }
   for (const Task& task : backwards_) {
-    SMP_CHECK(!of_microbatch(task), "on_microbatch_finished: microbatch ", microbatch,
-              " still has a queued task ", task.to_string());
+    SMP_CHECK(!of_microbatch(task),
+              "on_microbatch_finished: microbatch {} still has a queued task {}", microbatch,
+              task.to_string());
   }
   // A microbatch that returns without model.backward (evaluation) is forward done as it finishes.
   if (phase == Phase::kForward) ++num_forward_done_;
@@ -353,52 +366,47 @@ bool ServerPolicy::all_finished() const {
 }
 
 std::string ServerPolicy::describe() const {
-  std::ostringstream out;
-  out << "ServerPolicy(" << pipeline_kind_name(kind_) << ", "
-      << (is_leader_ ? "leader" : "non-leader") << ", microbatches=" << num_microbatches_
-      << ", active=" << active_microbatches_;
+  std::string out;
+  const auto add = std::back_inserter(out);
+  fmt::format_to(add, FMT_STRING("ServerPolicy({}, {}, microbatches={}, active={}"),
+                 pipeline_kind_name(kind_), is_leader_ ? "leader" : "non-leader", num_microbatches_,
+                 active_microbatches_);
   if (deferred_weight_microbatches_ > 0 && kind_ != PipelineKind::kStatic) {
-    out << ", deferred weights=" << deferred_weight_microbatches_;
+    fmt::format_to(add, FMT_STRING(", deferred weights={}"), deferred_weight_microbatches_);
   }
-  if (kind_ == PipelineKind::kStatic) out << ", program: " << program_text_;
-  out << ")";
+  if (kind_ == PipelineKind::kStatic) {
+    fmt::format_to(add, FMT_STRING(", program: {}"), program_text_);
+  }
+  out += ')';
   if (is_leader_) {
     auto list = [&](Phase wanted) {
-      std::ostringstream ids;
-      ids << "{";
-      bool first = true;
+      std::vector<int> ids;
       for (int m = 0; m < num_microbatches_; ++m) {
-        if (phase_[m] != wanted) continue;
-        ids << (first ? "" : ", ") << m;
-        first = false;
+        if (phase_[m] == wanted) ids.push_back(m);
       }
-      ids << "}";
-      return ids.str();
+      return ids;
     };
-    out << ": started " << num_started_ << "/" << num_microbatches_ << ", in forward "
-        << list(Phase::kForward) << ", forward done " << list(Phase::kForwardDone) << ", finished "
-        << num_finished_;
+    fmt::format_to(
+        add, FMT_STRING(": started {}/{}, in forward {{{}}}, forward done {{{}}}, finished {}"),
+        num_started_, num_microbatches_, fmt::join(list(Phase::kForward), ", "),
+        fmt::join(list(Phase::kForwardDone), ", "), num_finished_);
     if (kind_ == PipelineKind::kSimple && !backwards_.empty() && !may_run_backward()) {
-      out << " (backwards held until every microbatch is forward done)";
+      out += " (backwards held until every microbatch is forward done)";
     }
   }
-  out << "; queued " << num_queued() << ":";
+  fmt::format_to(add, FMT_STRING("; queued {}:"), num_queued());
   // Listed in the order the policy considers the classes.
-  auto dump = [&out](const char* label, const auto& queue) {
-    out << " " << label << " [";
-    bool first = true;
-    for (const Task& task : queue) {
-      out << (first ? "" : ", ") << task.to_string();
-      first = false;
-    }
-    out << "]";
+  auto dump = [&](const char* label, const auto& queue) {
+    std::vector<std::string> tasks;
+    for (const Task& task : queue) tasks.push_back(task.to_string());
+    fmt::format_to(add, FMT_STRING(" {} [{}]"), label, fmt::join(tasks, ", "));
   };
   if (kind_ != PipelineKind::kSimple) dump("backward", backwards_);
   dump("resume", resumes_);
   dump("request", requests_);
   if (kind_ == PipelineKind::kSimple) dump("backward", backwards_);
   if (!weights_.empty()) dump("weight", weights_);
-  return out.str();
+  return out;
 }
 
 }  // namespace smp

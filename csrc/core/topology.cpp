@@ -60,8 +60,8 @@ std::string canonical_placement(const std::string& placement_strategy) {
   std::sort(sorted.begin(), sorted.end());
   SMP_CHECK(placement_strategy.size() == 3 && sorted == "DPT",
             "placement_strategy must be \"cluster\", \"spread\" or a permutation of the letters "
-            "D, P, T (e.g. \"DPT\", \"TPD\"), got \"",
-            placement_strategy, "\"");
+            "D, P, T (e.g. \"DPT\", \"TPD\"), got \"{}\"",
+            placement_strategy);
   return placement_strategy;
 }
 
@@ -72,13 +72,13 @@ Topology::Topology(int world_size, int pipeline_parallel_degree, int tensor_para
       tp_(tensor_parallel_degree),
       rdp_(1),
       placement_(canonical_placement(placement_strategy)) {
-  SMP_CHECK(world_size_ >= 1, "world size must be >= 1, got ", world_size_);
-  SMP_CHECK(pp_ >= 1, "pipeline_parallel_degree must be >= 1, got ", pp_);
-  SMP_CHECK(tp_ >= 1, "tensor_parallel_degree must be >= 1, got ", tp_);
-  SMP_CHECK(world_size_ % (pp_ * tp_) == 0, "world size ", world_size_,
-            " is not divisible by pipeline_parallel_degree * tensor_parallel_degree = ", pp_, " * ",
-            tp_, " = ", pp_ * tp_, "; launch a multiple of ", pp_ * tp_,
-            " processes or change the degrees");
+  SMP_CHECK(world_size_ >= 1, "world size must be >= 1, got {}", world_size_);
+  SMP_CHECK(pp_ >= 1, "pipeline_parallel_degree must be >= 1, got {}", pp_);
+  SMP_CHECK(tp_ >= 1, "tensor_parallel_degree must be >= 1, got {}", tp_);
+  SMP_CHECK(world_size_ % (pp_ * tp_) == 0,
+            "world size {} is not divisible by pipeline_parallel_degree * tensor_parallel_degree = "
+            "{} * {} = {}; launch a multiple of {} processes or change the degrees",
+            world_size_, pp_, tp_, pp_ * tp_, pp_ * tp_);
   rdp_ = world_size_ / (pp_ * tp_);
 }
 
@@ -99,7 +99,7 @@ int Topology::size(Axis axis) const {
 }
 
 int Topology::check_rank(int rank) const {
-  SMP_CHECK(rank >= 0 && rank < world_size_, "rank ", rank, " is outside [0, ", world_size_, ")");
+  SMP_CHECK(rank >= 0 && rank < world_size_, "rank {} is outside [0, {})", rank, world_size_);
   return rank;
 }
 
@@ -126,8 +126,8 @@ Coordinates Topology::coordinates(int rank) const {
 int Topology::rank_of(const Coordinates& coords) const {
   SMP_CHECK(coords.pp >= 0 && coords.pp < pp_ && coords.tp >= 0 && coords.tp < tp_ &&
                 coords.rdp >= 0 && coords.rdp < rdp_,
-            "coordinates (pp=", coords.pp, ", tp=", coords.tp, ", rdp=", coords.rdp,
-            ") are outside the mesh (", pp_, ", ", tp_, ", ", rdp_, ")");
+            "coordinates (pp={}, tp={}, rdp={}) are outside the mesh ({}, {}, {})", coords.pp,
+            coords.tp, coords.rdp, pp_, tp_, rdp_);
   int rank = 0;
   for (char letter : placement_) {
     rank = rank * axis_extent(letter, pp_, tp_, rdp_) + coordinate_for(letter, coords);

@@ -1,7 +1,6 @@
 // smp._C bindings of the automatic partitioner (include/smp/partition.h).
+#include <fmt/format.h>
 #include <pybind11/stl.h>
-
-#include <sstream>
 
 #include "python/bindings.h"
 #include "smp/partition.h"
@@ -28,12 +27,10 @@ void init_partition_bindings(py::module_& m) {
       .def_readwrite("pin", &PartitionNode::pin)
       .def_readwrite("chain", &PartitionNode::chain)
       .def("__repr__", [](const PartitionNode& n) {
-        std::ostringstream out;
-        out << "PartitionNode(name='" << n.name << "', parent=" << n.parent
-            << ", compute=" << n.compute << ", param_bytes=" << n.param_bytes
-            << ", activation_bytes=" << n.activation_bytes << ", pin=" << n.pin
-            << ", chain=" << (n.chain ? "True" : "False") << ")";
-        return out.str();
+        return fmt::format(FMT_STRING("PartitionNode(name='{}', parent={}, compute={:g}, "
+                                      "param_bytes={:g}, activation_bytes={:g}, pin={}, chain={})"),
+                           n.name, n.parent, n.compute, n.param_bytes, n.activation_bytes, n.pin,
+                           n.chain ? "True" : "False");
       });
 
   py::class_<PartitionCall>(m, "PartitionCall",
@@ -51,11 +48,9 @@ void init_partition_bindings(py::module_& m) {
       .def_readwrite("forward_bytes", &PartitionCall::forward_bytes)
       .def_readwrite("backward_bytes", &PartitionCall::backward_bytes)
       .def("__repr__", [](const PartitionCall& c) {
-        std::ostringstream out;
-        out << "PartitionCall(caller=" << c.caller << ", callee=" << c.callee
-            << ", calls=" << c.calls << ", forward_bytes=" << c.forward_bytes
-            << ", backward_bytes=" << c.backward_bytes << ")";
-        return out.str();
+        return fmt::format(FMT_STRING("PartitionCall(caller={}, callee={}, calls={:g}, "
+                                      "forward_bytes={:g}, backward_bytes={:g})"),
+                           c.caller, c.callee, c.calls, c.forward_bytes, c.backward_bytes);
       });
 
   py::class_<PartitionLink>(m, "PartitionLink",
@@ -67,11 +62,10 @@ void init_partition_bindings(py::module_& m) {
       .def_readonly("backward_bytes", &PartitionLink::backward_bytes)
       .def_readonly("seconds", &PartitionLink::seconds)
       .def("__repr__", [](const PartitionLink& l) {
-        std::ostringstream out;
-        out << "PartitionLink(stages=" << l.first_stage << "-" << l.second_stage
-            << ", calls=" << l.calls << ", forward_bytes=" << l.forward_bytes
-            << ", backward_bytes=" << l.backward_bytes << ", seconds=" << l.seconds << ")";
-        return out.str();
+        return fmt::format(FMT_STRING("PartitionLink(stages={}-{}, calls={:g}, forward_bytes={:g}, "
+                                      "backward_bytes={:g}, seconds={:g})"),
+                           l.first_stage, l.second_stage, l.calls, l.forward_bytes,
+                           l.backward_bytes, l.seconds);
       });
 
   py::class_<PartitionOptions>(m, "PartitionOptions", "Knobs of partition().")
@@ -98,13 +92,11 @@ void init_partition_bindings(py::module_& m) {
       .def_readwrite("bandwidth", &PartitionOptions::bandwidth)
       .def_readwrite("balance_tolerance", &PartitionOptions::balance_tolerance)
       .def("__repr__", [](const PartitionOptions& o) {
-        std::ostringstream out;
-        out << "PartitionOptions(num_stages=" << o.num_stages
-            << ", memory_weight=" << o.memory_weight
-            << ", seconds_per_compute=" << o.seconds_per_compute
-            << ", crossing_latency=" << o.crossing_latency << ", bandwidth=" << o.bandwidth
-            << ", balance_tolerance=" << o.balance_tolerance << ")";
-        return out.str();
+        return fmt::format(FMT_STRING("PartitionOptions(num_stages={}, memory_weight={:g}, "
+                                      "seconds_per_compute={:g}, crossing_latency={:g}, "
+                                      "bandwidth={:g}, balance_tolerance={:g})"),
+                           o.num_stages, o.memory_weight, o.seconds_per_compute, o.crossing_latency,
+                           o.bandwidth, o.balance_tolerance);
       });
 
   py::class_<PartitionPlan>(m, "PartitionPlan", "The result of partition(); read-only.")
@@ -120,11 +112,9 @@ void init_partition_bindings(py::module_& m) {
       .def_readonly("max_stage_load", &PartitionPlan::max_stage_load)
       .def_readonly("links", &PartitionPlan::links)
       .def("__repr__", [](const PartitionPlan& p) {
-        std::ostringstream out;
-        out << "PartitionPlan(num_stages=" << p.stage_cost.size()
-            << ", max_stage_cost=" << p.max_stage_cost << ", imbalance=" << p.imbalance
-            << ", max_stage_load=" << p.max_stage_load << ")";
-        return out.str();
+        return fmt::format(FMT_STRING("PartitionPlan(num_stages={}, max_stage_cost={:g}, "
+                                      "imbalance={:g}, max_stage_load={:g})"),
+                           p.stage_cost.size(), p.max_stage_cost, p.imbalance, p.max_stage_load);
       });
 
   // Arguments are converted before the GIL is released; the plan is converted after it is back.

@@ -1,4 +1,5 @@
 // smp._C bindings of the pipeline server's task queue and policy (include/smp/server_policy.h).
+#include <fmt/format.h>
 #include <pybind11/stl.h>
 
 #include "python/bindings.h"
@@ -43,7 +44,8 @@ void init_policy_bindings(py::module_& m) {
              return py::hash(
                  py::make_tuple(static_cast<int>(t.kind), t.microbatch, t.id, t.sequence));
            })
-      .def("__repr__", [](const Task& t) { return "Task(" + t.to_string() + ")"; });
+      .def("__repr__",
+           [](const Task& t) { return fmt::format(FMT_STRING("Task({})"), t.to_string()); });
 
   py::class_<ServerPolicy>(m, "ServerPolicy",
                            "Task queue and scheduling policy of one rank's pipeline server "

@@ -1,8 +1,8 @@
 // Bindings of the pipeline schedule IR (include/smp/schedule.h) as the submodule smp._C.schedule.
 // A schedule is a list (one per rank) of lists of Action or None (an idle step).
+#include <fmt/format.h>
 #include <pybind11/stl.h>
 
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -92,11 +92,11 @@ void init_costs_and_timeline(py::module_& m) {
                      "time from a SEND's end (or a producer's end, compute-only) until the data "
                      "is usable on the other rank")
       .def("__repr__", [](const sch::ActionCosts& c) {
-        std::ostringstream out;
-        out << "ActionCosts(forward=" << c.forward << ", full_backward=" << c.full_backward
-            << ", backward_input=" << c.backward_input << ", backward_weight=" << c.backward_weight
-            << ", send=" << c.send << ", recv=" << c.recv << ", latency=" << c.latency << ")";
-        return out.str();
+        return fmt::format(FMT_STRING("ActionCosts(forward={:g}, full_backward={:g}, "
+                                      "backward_input={:g}, backward_weight={:g}, send={:g}, "
+                                      "recv={:g}, latency={:g})"),
+                           c.forward, c.full_backward, c.backward_input, c.backward_weight, c.send,
+                           c.recv, c.latency);
       });
 
   py::class_<sch::Timeline>(m, "Timeline", "The result of simulate(); read-only.")
@@ -117,10 +117,8 @@ void init_costs_and_timeline(py::module_& m) {
           },
           "Every action as (rank, action string, start, end), rank by rank in program order.")
       .def("__repr__", [](const sch::Timeline& t) {
-        std::ostringstream out;
-        out << "Timeline(makespan=" << t.makespan << ", bubble_fraction=" << t.bubble_fraction
-            << ", actions=" << t.actions.size() << ")";
-        return out.str();
+        return fmt::format(FMT_STRING("Timeline(makespan={:g}, bubble_fraction={:g}, actions={})"),
+                           t.makespan, t.bubble_fraction, t.actions.size());
       });
 }
 

@@ -1,3 +1,5 @@
+#include <fmt/format.h>
+
 #include "python/bindings.h"
 #include "smp/topology.h"
 
@@ -26,8 +28,7 @@ void init_topology_bindings(py::module_& m) {
       .def_readwrite("rdp", &Coordinates::rdp)
       .def("__eq__", &Coordinates::operator==)
       .def("__repr__", [](const Coordinates& c) {
-        return "Coordinates(pp=" + std::to_string(c.pp) + ", tp=" + std::to_string(c.tp) +
-               ", rdp=" + std::to_string(c.rdp) + ")";
+        return fmt::format(FMT_STRING("Coordinates(pp={}, tp={}, rdp={})"), c.pp, c.tp, c.rdp);
       });
 
   py::class_<Topology>(m, "Topology")

@@ -32,8 +32,9 @@ using pytorch::TransportError;
 // Seconds (a Python float) to milliseconds, rounded up so that a small positive timeout never
 // becomes 0. Longer than a year is clamped to a year (the waits would overflow otherwise).
 std::chrono::milliseconds to_millis(double seconds, const char* name, bool allow_zero) {
-  SMP_CHECK(std::isfinite(seconds) && (allow_zero ? seconds >= 0 : seconds > 0), name, " must be ",
-            allow_zero ? ">= 0" : "> 0", " seconds and finite, got ", seconds);
+  SMP_CHECK(std::isfinite(seconds) && (allow_zero ? seconds >= 0 : seconds > 0),
+            "{} must be {} seconds and finite, got {:g}", name, allow_zero ? ">= 0" : "> 0",
+            seconds);
   const double millis = std::ceil(std::min(seconds, 365.0 * 24 * 3600) * 1000.0);
   return std::chrono::milliseconds(static_cast<int64_t>(millis));
 }

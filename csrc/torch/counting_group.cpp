@@ -178,8 +178,9 @@ namespace {
 c10::intrusive_ptr<c10d::Backend> cpu_backend_of(const c10::intrusive_ptr<c10d::ProcessGroup>& g) {
   SMP_CHECK(g, "CountingGroup: the group to wrap must not be null");
   SMP_CHECK(g->hasBackendForDeviceType(c10::DeviceType::CPU),
-            "CountingGroup: the group to wrap (backend ", g->getBackendName(),
-            ") has no CPU backend; only CPU groups (e.g. gloo) can be counted");
+            "CountingGroup: the group to wrap (backend {}) has no CPU backend; only CPU groups "
+            "(e.g. gloo) can be counted",
+            g->getBackendName());
   return g->getBackend(c10::DeviceType::CPU);
 }
 

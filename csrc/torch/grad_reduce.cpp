@@ -9,6 +9,7 @@
 
 #include "smp/error.h"
 #include "smp/pytorch/collective.h"
+#include "smp/pytorch/format.h"
 
 namespace smp::pytorch {
 namespace {
@@ -17,18 +18,25 @@ namespace {
 // flat buffer. Checked for all tensors before the first collective, so that a mistake fails every
 // rank the same way instead of leaving peers blocked in a collective this rank never issues.
 void check_tensor(const at::Tensor& tensor, size_t index) {
-  SMP_CHECK(tensor.defined(), "allreduce_mean_: tensor ", index,
-            " is undefined (a parameter without a gradient?); pass only defined tensors");
-  SMP_CHECK(tensor.layout() == at::kStrided, "allreduce_mean_: tensor ", index, " (shape ",
-            tensor.sizes(), ", dtype ", tensor.scalar_type(), ") has layout ", tensor.layout(),
-            "; only dense tensors are supported, call .to_dense() first");
-  SMP_CHECK(tensor.is_contiguous(), "allreduce_mean_: tensor ", index, " (shape ", tensor.sizes(),
-            ", dtype ", tensor.scalar_type(), ", strides ", tensor.strides(),
-            ") is not contiguous; it is reduced in place, so make it contiguous first");
+  SMP_CHECK(tensor.defined(),
+            "allreduce_mean_: tensor {} is undefined (a parameter without a gradient?); pass only "
+            "defined tensors",
+            index);
+  SMP_CHECK(tensor.layout() == at::kStrided,
+            "allreduce_mean_: tensor {} (shape {}, dtype {}) has layout {}; only dense tensors are "
+            "supported, call .to_dense() first",
+            index, shape_str(tensor.sizes()), c10::toString(tensor.scalar_type()),
+            layout_name(tensor.layout()));
+  SMP_CHECK(tensor.is_contiguous(),
+            "allreduce_mean_: tensor {} (shape {}, dtype {}, strides {}) is not contiguous; it is "
+            "reduced in place, so make it contiguous first",
+            index, shape_str(tensor.sizes()), c10::toString(tensor.scalar_type()),
+            shape_str(tensor.strides()));
   // Integer tensors cannot hold a mean in place (div_ by a double would not type-check).
   SMP_CHECK(at::isFloatingType(tensor.scalar_type()) || at::isComplexType(tensor.scalar_type()),
-            "allreduce_mean_: tensor ", index, " (shape ", tensor.sizes(), ", dtype ",
-            tensor.scalar_type(), ") must be floating-point or complex to hold a mean in place");
+            "allreduce_mean_: tensor {} (shape {}, dtype {}) must be floating-point or complex to "
+            "hold a mean in place",
+            index, shape_str(tensor.sizes()), c10::toString(tensor.scalar_type()));
 }
 
 // Waits on every Work even if some fail, then rethrows the first failure: returning (or throwing)
@@ -46,7 +54,8 @@ void wait_all(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
   try {
     std::rethrow_exception(first_error);
   } catch (const std::exception& error) {
-    throw CollectiveError(std::string("smp: gradient all-reduce failed: ") + error.what());
+    throw CollectiveError(
+        fmt::format(FMT_STRING("smp: gradient all-reduce failed: {}"), error.what()));
   }
 }
 
@@ -54,7 +63,7 @@ void wait_all(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
 
 std::vector<std::vector<size_t>> plan_grad_buckets(const std::vector<at::Tensor>& tensors,
                                                    int64_t bucket_bytes) {
-  SMP_CHECK(bucket_bytes > 0, "allreduce_mean_: bucket_bytes must be > 0, got ", bucket_bytes);
+  SMP_CHECK(bucket_bytes > 0, "allreduce_mean_: bucket_bytes must be > 0, got {}", bucket_bytes);
   for (size_t i = 0; i < tensors.size(); ++i) check_tensor(tensors[i], i);
 
   struct OpenBucket {
@@ -99,7 +108,7 @@ int64_t allreduce_mean_(const std::vector<at::Tensor>& tensors,
                         int64_t bucket_bytes) {
   SMP_CHECK(group, "allreduce_mean_: group must not be null");
   SMP_CHECK(std::isfinite(divisor) && divisor > 0,
-            "allreduce_mean_: divisor must be a finite number > 0, got ", divisor);
+            "allreduce_mean_: divisor must be a finite number > 0, got {:g}", divisor);
   const std::vector<std::vector<size_t>> buckets = plan_grad_buckets(tensors, bucket_bytes);
   // A communication op, not part of any graph: lets callers pass tensors that require grad.
   at::NoGradGuard no_grad;

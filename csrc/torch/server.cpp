@@ -44,9 +44,9 @@ void PipelineServer::dispatch(Message message) {
       const TaskKind task_kind =
           kind == MessageKind::kReply ? TaskKind::kResume : TaskKind::kBackward;
       auto it = expected_.find({call_id, task_kind});
-      SMP_INTERNAL_ASSERT(it != expected_.end(), "unexpected ",
-                          kind == MessageKind::kReply ? "reply" : "gradient", " for call ", call_id,
-                          " from stage ", message.peer);
+      SMP_INTERNAL_ASSERT(it != expected_.end(), "unexpected {} for call {} from stage {}",
+                          kind == MessageKind::kReply ? "reply" : "gradient", call_id,
+                          message.peer);
       const int64_t task = it->second;  // registered by expect(): used once
       expected_.erase(it);
       hold(task, task, std::move(message));
@@ -56,7 +56,7 @@ void PipelineServer::dispatch(Message message) {
     case MessageKind::kGradOut: {
       const int microbatch = static_cast<int>(message.header.at(1));
       auto it = served_.find({message.peer, message.header.at(2)});
-      SMP_INTERNAL_ASSERT(it != served_.end(), "gradients for an unknown served call from stage ",
+      SMP_INTERNAL_ASSERT(it != served_.end(), "gradients for an unknown served call from stage {}",
                           message.peer);
       // A task of its own: the REQUEST of the same call may still be queued (the caller's
       // backward passes a call whose outputs it dropped right after sending it). Runnable only
@@ -84,13 +84,13 @@ void PipelineServer::dispatch(Message message) {
       announced_backward_calls_ = message.header.size() > 1 ? message.header[1] : 0;
       return;
   }
-  SMP_INTERNAL_ASSERT(false, "unknown pipeline message kind ", message.header[0], " from stage ",
+  SMP_INTERNAL_ASSERT(false, "unknown pipeline message kind {} from stage {}", message.header[0],
                       message.peer);
 }
 
 void PipelineServer::hold(int64_t task, int64_t target, Message message) {
   const bool fresh = pending_.try_emplace(task, Held{target, std::move(message)}).second;
-  SMP_INTERNAL_ASSERT(fresh, "two pipeline messages for task ", task);
+  SMP_INTERNAL_ASSERT(fresh, "two pipeline messages for task {}", task);
 }
 
 std::optional<ServerTask> PipelineServer::next(std::chrono::milliseconds timeout) {
@@ -119,7 +119,7 @@ std::optional<ServerTask> PipelineServer::next(std::chrono::milliseconds timeout
       message = transport_->recv(timeout);
     } catch (const TransportError& error) {
       throw TransportError(
-          ::smp::internal::concat(error.what(), "; queued work: ", policy_.describe()),
+          fmt::format(FMT_STRING("{}; queued work: {}"), error.what(), policy_.describe()),
           error.peers());
     }
     if (!message) return std::nullopt;  // every peer finished

@@ -8,6 +8,7 @@
 
 #include "smp/error.h"
 #include "smp/pytorch/collective.h"
+#include "smp/pytorch/format.h"
 
 namespace smp::pytorch::tp {
 namespace {
@@ -35,27 +36,30 @@ Group saved_group(AutogradContext* ctx) {
 int64_t saved_dim(AutogradContext* ctx) { return ctx->saved_data.at(kDimKey).toInt(); }
 
 void check_args(const char* fn, const at::Tensor& x, const Group& group) {
-  SMP_CHECK(group, fn, ": group must not be null");
-  SMP_CHECK(x.defined(), fn, ": the input tensor is undefined");
+  SMP_CHECK(group, "{}: group must not be null", fn);
+  SMP_CHECK(x.defined(), "{}: the input tensor is undefined", fn);
 }
 
 // Returns `dim` in [0, x.dim()); negative dims count from the end.
 int64_t wrap_dim(const char* fn, const at::Tensor& x, int64_t dim) {
   const int64_t ndim = x.dim();
-  SMP_CHECK(ndim > 0, fn, ": cannot split or concatenate a 0-dim tensor along dim ", dim,
-            "; reshape it to at least 1 dim first");
-  SMP_CHECK(dim >= -ndim && dim < ndim, fn, ": dim ", dim,
-            " is out of range for a tensor of shape ", x.sizes(), " (", ndim,
-            " dims); pass a dim in [", -ndim, ", ", ndim - 1, "]");
+  SMP_CHECK(ndim > 0,
+            "{}: cannot split or concatenate a 0-dim tensor along dim {}; reshape it to at least 1 "
+            "dim first",
+            fn, dim);
+  SMP_CHECK(dim >= -ndim && dim < ndim,
+            "{}: dim {} is out of range for a tensor of shape {} ({} dims); pass a dim in [{}, {}]",
+            fn, dim, shape_str(x.sizes()), ndim, -ndim, ndim - 1);
   return dim < 0 ? dim + ndim : dim;
 }
 
 void check_divisible(const char* fn, const at::Tensor& x, int64_t dim, const Group& group) {
   const int64_t size = x.size(dim);
   const int64_t num_ranks = group->getSize();
-  SMP_CHECK(size % num_ranks == 0, fn, ": size ", size, " of dim ", dim, " (tensor shape ",
-            x.sizes(), ") is not divisible by the group size ", num_ranks,
-            "; make that dim a multiple of ", num_ranks);
+  SMP_CHECK(size % num_ranks == 0,
+            "{}: size {} of dim {} (tensor shape {}) is not divisible by the group size {}; make "
+            "that dim a multiple of {}",
+            fn, size, dim, shape_str(x.sizes()), num_ranks, num_ranks);
 }
 
 // ---- the collectives, on dim 0 of a contiguous buffer ------------------------------------------

@@ -1,5 +1,7 @@
 #include "smp/pytorch/transport.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -7,15 +9,14 @@
 #include <exception>
 #include <map>
 #include <mutex>
-#include <sstream>
+#include <string>
 #include <thread>
 #include <utility>
 
 #include "smp/error.h"
+#include "smp/pytorch/format.h"
 
 namespace smp::pytorch {
-
-using ::smp::internal::concat;
 
 // Note [Wire header]
 // A message starts with one int64 tensor of Transport::kHeaderSlots entries:
@@ -49,14 +50,6 @@ constexpr std::chrono::milliseconds kMaxWait = std::chrono::hours(24 * 365);
 
 std::chrono::milliseconds clamp_wait(std::chrono::milliseconds timeout) {
   return std::min(timeout, kMaxWait);
-}
-
-std::string join(const std::vector<int>& values) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
-  out << "]";
-  return out.str();
 }
 
 // The text of the exception in `error` (which must be non-null).
@@ -116,7 +109,9 @@ struct TransportState {
 
   std::mutex threads_mutex;  // serialises joining/detaching Channel::receiver
 
-  std::string where() const { return concat("Transport(rank ", rank, ", tag ", tag, ")"); }
+  std::string where() const {
+    return fmt::format(FMT_STRING("Transport(rank {}, tag {})"), rank, tag);
+  }
 
   Channel* channel(int peer) const {
     auto it = channels.find(peer);
@@ -127,7 +122,7 @@ struct TransportState {
 namespace {
 
 TransportError error_for(const TransportState& s, int peer, const std::string& message) {
-  return TransportError(concat(s.where(), ": ", message), {peer});
+  return TransportError(fmt::format(FMT_STRING("{}: {}"), s.where(), message), {peer});
 }
 
 // Posts one receive of `buffer` from the channel's peer and waits for it, up to `timeout`.
@@ -144,8 +139,8 @@ bool receive_part(TransportState& s, Channel& c, const at::Tensor& buffer,
       work = s.group->recv(buffers, c.peer, s.tag);
     } catch (...) {
       throw error_for(s, c.peer,
-                      concat("receiving ", part, " from peer ", c.peer,
-                             " failed: ", what(std::current_exception())));
+                      fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"), part, c.peer,
+                                  what(std::current_exception())));
     }
     c.pending_recv = work;
   }
@@ -164,13 +159,14 @@ bool receive_part(TransportState& s, Channel& c, const at::Tensor& buffer,
   }
   if (stopped) return false;  // abort() woke us; whatever the wait says is a consequence
   if (error) {
-    throw error_for(s, c.peer,
-                    concat("receiving ", part, " from peer ", c.peer, " failed: ", what(error)));
-  }
-  if (!completed) {
     throw error_for(
         s, c.peer,
-        concat("receiving ", part, " from peer ", c.peer, " was aborted by the backend"));
+        fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"), part, c.peer, what(error)));
+  }
+  if (!completed) {
+    throw error_for(s, c.peer,
+                    fmt::format(FMT_STRING("receiving {} from peer {} was aborted by the backend"),
+                                part, c.peer));
   }
   return true;
 }
@@ -185,7 +181,8 @@ void send_parts(TransportState& s, Channel& c, const std::vector<at::Tensor>& pa
   {
     std::lock_guard<std::mutex> lock(c.work_mutex);
     if (c.stop) {
-      throw error_for(s, c.peer, concat("sending ", message, ": the transport was aborted"));
+      throw error_for(s, c.peer,
+                      fmt::format(FMT_STRING("sending {}: the transport was aborted"), message));
     }
     for (const at::Tensor& part : parts) {
       std::vector<at::Tensor> buffers{part};
@@ -217,13 +214,16 @@ void send_parts(TransportState& s, Channel& c, const std::vector<at::Tensor>& pa
     aborted = aborted || c.stop;
   }
   if (aborted) {
-    throw error_for(s, c.peer, concat("sending ", message, " to peer ", c.peer, " was aborted"));
+    throw error_for(s, c.peer,
+                    fmt::format(FMT_STRING("sending {} to peer {} was aborted"), message, c.peer));
   }
   if (error) {
-    throw error_for(s, c.peer,
-                    concat("sending ", message, " to peer ", c.peer,
-                           " failed (is its Transport started? timeout ", s.timeout.count(),
-                           " ms): ", what(error)));
+    throw error_for(
+        s, c.peer,
+        fmt::format(
+            FMT_STRING(
+                "sending {} to peer {} failed (is its Transport started? timeout {} ms): {}"),
+            message, c.peer, s.timeout.count(), what(error)));
   }
 }
 
@@ -234,13 +234,14 @@ void send_message(TransportState& s, Channel& c, const at::Tensor& wire,
   std::lock_guard<std::mutex> lock(c.send_mutex);
   if (c.send_broken) {
     throw error_for(s, c.peer,
-                    concat("cannot send ", kind, " to peer ", c.peer,
-                           ": an earlier send to it failed and left the channel broken"));
+                    fmt::format(FMT_STRING("cannot send {} to peer {}: an earlier send to it "
+                                           "failed and left the channel broken"),
+                                kind, c.peer));
   }
   wire.data_ptr<int64_t>()[2] = c.send_seq;
   payloads.insert(payloads.begin(), wire);
   try {
-    send_parts(s, c, payloads, concat(kind, " #", c.send_seq));
+    send_parts(s, c, payloads, fmt::format(FMT_STRING("{} #{}"), kind, c.send_seq));
   } catch (...) {
     c.send_broken = true;
     throw;
@@ -269,19 +270,25 @@ Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int
   const int64_t* w = wire.data_ptr<int64_t>();
   auto corrupt = [&](const std::string& why) {
     return error_for(s, peer,
-                     concat("corrupt message #", seq, " from peer ", peer, ": ", why,
-                            " (is something else sending on tag ", s.tag, " of this group?)"));
+                     fmt::format(FMT_STRING("corrupt message #{} from peer {}: {} (is something "
+                                            "else sending on tag {} of this group?)"),
+                                 seq, peer, why, s.tag));
   };
-  if (w[0] != kMagic) throw corrupt(concat("bad magic number ", w[0]));
-  if (w[1] != kData && w[1] != kEnd) throw corrupt(concat("unknown kind ", w[1]));
-  if (w[2] != seq) throw corrupt(concat("sequence number ", w[2], ", expected ", seq));
+  if (w[0] != kMagic) throw corrupt(fmt::format(FMT_STRING("bad magic number {}"), w[0]));
+  if (w[1] != kData && w[1] != kEnd) {
+    throw corrupt(fmt::format(FMT_STRING("unknown kind {}"), w[1]));
+  }
+  if (w[2] != seq) {
+    throw corrupt(fmt::format(FMT_STRING("sequence number {}, expected {}"), w[2], seq));
+  }
   Parsed parsed;
   parsed.kind = w[1];
   const int64_t num_header = w[3];
   const int64_t num_tensors = w[4];
   if (num_header < 0 || num_tensors < 0 || num_header > Transport::kHeaderSlots ||
       num_tensors > Transport::kHeaderSlots) {
-    throw corrupt(concat(num_header, " header ints and ", num_tensors, " tensors"));
+    throw corrupt(
+        fmt::format(FMT_STRING("{} header ints and {} tensors"), num_header, num_tensors));
   }
   int64_t pos = kFixedSlots;
   std::vector<bool> inlined;
@@ -294,15 +301,15 @@ Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int
     if (inlined.back()) dtype -= kInline;
     if (dtype < 0 || dtype >= static_cast<int64_t>(at::ScalarType::NumOptions) ||
         dtype == static_cast<int64_t>(at::ScalarType::Undefined)) {
-      throw corrupt(concat("tensor ", i, " has dtype code ", w[pos - 2]));
+      throw corrupt(fmt::format(FMT_STRING("tensor {} has dtype code {}"), i, w[pos - 2]));
     }
     if (ndim < 0 || pos + ndim > Transport::kHeaderSlots) {
-      throw corrupt(concat("tensor ", i, " has ndim ", ndim));
+      throw corrupt(fmt::format(FMT_STRING("tensor {} has ndim {}"), i, ndim));
     }
     std::vector<int64_t> sizes(w + pos, w + pos + ndim);
     pos += ndim;
     for (int64_t size : sizes) {
-      if (size < 0) throw corrupt(concat("tensor ", i, " has size ", size));
+      if (size < 0) throw corrupt(fmt::format(FMT_STRING("tensor {} has size {}"), i, size));
     }
     parsed.dtypes.push_back(static_cast<at::ScalarType>(dtype));
     parsed.sizes.push_back(std::move(sizes));
@@ -320,12 +327,13 @@ Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int
     const int64_t room = (Transport::kHeaderSlots - pos) * static_cast<int64_t>(sizeof(int64_t));
     for (int64_t size : parsed.sizes[i]) {
       if (size > 0 && nbytes > room / size) {
-        throw corrupt(concat("inline tensor ", i, " overflows the header"));
+        throw corrupt(fmt::format(FMT_STRING("inline tensor {} overflows the header"), i));
       }
       nbytes *= size;
     }
     if (nbytes == 0 || nbytes > room) {
-      throw corrupt(concat("inline tensor ", i, " of ", nbytes, " bytes overflows the header"));
+      throw corrupt(
+          fmt::format(FMT_STRING("inline tensor {} of {} bytes overflows the header"), i, nbytes));
     }
     parsed.inline_slot.push_back(pos);
     pos += slots_for(nbytes);
@@ -353,7 +361,8 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
     for (int64_t seq = 0;; ++seq) {
       at::Tensor wire = at::empty({Transport::kHeaderSlots}, at::kLong);
       // See Note [Idle receivers].
-      if (!receive_part(s, c, wire, kMaxWait, concat("the header of message #", seq))) break;
+      const std::string part = fmt::format(FMT_STRING("the header of message #{}"), seq);
+      if (!receive_part(s, c, wire, kMaxWait, part)) break;
       Parsed parsed = parse_wire(s, c.peer, wire, seq);
       if (parsed.kind == kEnd) break;
       Message message{c.peer, std::move(parsed.header), {}};
@@ -366,7 +375,7 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
         } else if (tensor.numel() > 0) {
           // The peer is sending this message now: its parts follow within the timeout.
           stopped = !receive_part(s, c, as_bytes(tensor), clamp_wait(s.timeout),
-                                  concat("tensor ", i, " of message #", seq));
+                                  fmt::format(FMT_STRING("tensor {} of message #{}"), i, seq));
         }
         message.tensors.push_back(std::move(tensor));
       }
@@ -380,9 +389,10 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
   } catch (const TransportError&) {
     error = std::current_exception();
   } catch (...) {
-    error = std::make_exception_ptr(error_for(
-        s, c.peer,
-        concat("receiving from peer ", c.peer, " failed: ", what(std::current_exception()))));
+    error = std::make_exception_ptr(
+        error_for(s, c.peer,
+                  fmt::format(FMT_STRING("receiving from peer {} failed: {}"), c.peer,
+                              what(std::current_exception()))));
   }
   {
     std::lock_guard<std::mutex> lock(s.mutex);
@@ -414,8 +424,8 @@ void abort_state(TransportState& s) noexcept {
       s.aborted = true;
       s.phase = Phase::kFailed;
       if (!s.first_error) {
-        s.first_error = std::make_exception_ptr(
-            TransportError(concat(s.where(), ": aborted"), std::vector<int>(s.peers)));
+        s.first_error = std::make_exception_ptr(TransportError(
+            fmt::format(FMT_STRING("{}: aborted"), s.where()), std::vector<int>(s.peers)));
       }
     }
     s.cv.notify_all();
@@ -472,16 +482,16 @@ Transport::Transport(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<i
   SMP_CHECK(group, "Transport: group must not be null");
   const int rank = group->getRank();
   const int size = group->getSize();
-  SMP_CHECK(timeout.count() > 0, "Transport: timeout must be > 0 ms, got ", timeout.count());
-  SMP_CHECK(tag >= 0, "Transport: tag must be >= 0, got ", tag);
+  SMP_CHECK(timeout.count() > 0, "Transport: timeout must be > 0 ms, got {}", timeout.count());
+  SMP_CHECK(tag >= 0, "Transport: tag must be >= 0, got {}", tag);
   auto state = std::make_shared<TransportState>();
   for (int peer : peers) {
-    SMP_CHECK(peer >= 0 && peer < size, "Transport: peer ", peer,
-              " is not a rank of the group (size ", size, ")");
-    SMP_CHECK(peer != rank, "Transport: peer ", peer,
-              " is this rank; list only the other ranks it talks to");
-    SMP_CHECK(!state->channels.count(peer), "Transport: peer ", peer, " is listed twice in ",
-              internal::join(peers));
+    SMP_CHECK(peer >= 0 && peer < size, "Transport: peer {} is not a rank of the group (size {})",
+              peer, size);
+    SMP_CHECK(peer != rank,
+              "Transport: peer {} is this rank; list only the other ranks it talks to", peer);
+    SMP_CHECK(!state->channels.count(peer), "Transport: peer {} is listed twice in [{}]", peer,
+              fmt::join(peers, ", "));
     state->channels.emplace(peer, std::make_unique<Channel>(peer));
   }
   state->group = std::move(group);
@@ -498,11 +508,12 @@ void Transport::start() {
   TransportState& s = *state_;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
-    SMP_CHECK(s.phase != Phase::kFailed, s.where(),
-              ": start() after a failure or abort(); create a new Transport (and do not reuse "
-              "this group's channels on this tag)");
-    SMP_CHECK(s.phase == Phase::kIdle, s.where(),
-              ": start() called twice; call finish() to end the step first");
+    SMP_CHECK(s.phase != Phase::kFailed,
+              "{}: start() after a failure or abort(); create a new Transport (and do not reuse "
+              "this group's channels on this tag)",
+              s.where());
+    SMP_CHECK(s.phase == Phase::kIdle,
+              "{}: start() called twice; call finish() to end the step first", s.where());
     SMP_INTERNAL_ASSERT(s.inbox.empty(), "finish() left messages in the inbox");
     s.first_error = nullptr;
     for (const auto& [peer, c] : s.channels) {
@@ -553,33 +564,39 @@ void Transport::send(int peer, const std::vector<int64_t>& header,
   TransportState& s = *state_;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
-    SMP_CHECK(s.phase == Phase::kRunning, s.where(), ": send() needs an open step: ",
+    SMP_CHECK(s.phase == Phase::kRunning, "{}: send() needs an open step: {}", s.where(),
               s.phase == Phase::kIdle        ? "call start() first"
               : s.phase == Phase::kFinishing ? "finish() has begun"
                                              : "the transport failed or was aborted");
   }
   Channel* channel = s.channel(peer);
-  SMP_CHECK(channel, s.where(), ": send() to peer ", peer, ", which is not one of its peers ",
-            internal::join(s.peers));
+  SMP_CHECK(channel, "{}: send() to peer {}, which is not one of its peers [{}]", s.where(), peer,
+            fmt::join(s.peers, ", "));
   // Check everything before the first part leaves: a half-sent message would break the channel.
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    SMP_CHECK(t.defined(), s.where(), ": send() to peer ", peer, ": tensor ", i, " is undefined");
-    SMP_CHECK(t.layout() == at::kStrided, s.where(), ": send() to peer ", peer, ": tensor ", i,
-              " (shape ", t.sizes(), ", dtype ", t.scalar_type(), ") has layout ", t.layout(),
-              "; only dense tensors are supported, call .to_dense() first");
-    SMP_CHECK(t.device().is_cpu(), s.where(), ": send() to peer ", peer, ": tensor ", i, " (shape ",
-              t.sizes(), ", dtype ", t.scalar_type(), ") is on ", t.device(),
-              "; only CPU tensors are supported for now, call .cpu() first");
-    SMP_CHECK(!c10::isQIntType(t.scalar_type()), s.where(), ": send() to peer ", peer, ": tensor ",
-              i, " has quantized dtype ", t.scalar_type(), ", which is not supported");
+    SMP_CHECK(t.defined(), "{}: send() to peer {}: tensor {} is undefined", s.where(), peer, i);
+    SMP_CHECK(t.layout() == at::kStrided,
+              "{}: send() to peer {}: tensor {} (shape {}, dtype {}) has layout {}; only dense "
+              "tensors are supported, call .to_dense() first",
+              s.where(), peer, i, shape_str(t.sizes()), c10::toString(t.scalar_type()),
+              layout_name(t.layout()));
+    SMP_CHECK(t.device().is_cpu(),
+              "{}: send() to peer {}: tensor {} (shape {}, dtype {}) is on {}; only CPU tensors "
+              "are supported for now, call .cpu() first",
+              s.where(), peer, i, shape_str(t.sizes()), c10::toString(t.scalar_type()),
+              t.device().str());
+    SMP_CHECK(!c10::isQIntType(t.scalar_type()),
+              "{}: send() to peer {}: tensor {} has quantized dtype {}, which is not supported",
+              s.where(), peer, i, c10::toString(t.scalar_type()));
   }
   const int64_t capacity = header_capacity(tensors);
-  SMP_CHECK(static_cast<int64_t>(header.size()) <= capacity, s.where(), ": send() to peer ", peer,
-            ": the message does not fit the ", kHeaderSlots, "-entry wire header: ", header.size(),
-            " header ints, room for ", std::max<int64_t>(capacity, 0), " with ", tensors.size(),
-            " tensors (", kHeaderSlots - internal::kFixedSlots - capacity,
-            " entries of tensor metadata); send fewer tensors or a shorter header");
+  SMP_CHECK(static_cast<int64_t>(header.size()) <= capacity,
+            "{}: send() to peer {}: the message does not fit the {}-entry wire header: {} header "
+            "ints, room for {} with {} tensors ({} entries of tensor metadata); send fewer tensors "
+            "or a shorter header",
+            s.where(), peer, kHeaderSlots, header.size(), std::max<int64_t>(capacity, 0),
+            tensors.size(), kHeaderSlots - internal::kFixedSlots - capacity);
 
   // Encode (see Note [Wire header]); slot 2 (seq) is filled under the channel's send lock.
   at::Tensor wire = internal::empty_wire();
@@ -617,17 +634,18 @@ void Transport::send(int peer, const std::vector<int64_t>& header,
 
 std::optional<Message> Transport::recv(std::chrono::milliseconds timeout) {
   TransportState& s = *state_;
-  SMP_CHECK(timeout.count() >= 0, s.where(), ": recv() timeout must be >= 0 ms, got ",
+  SMP_CHECK(timeout.count() >= 0, "{}: recv() timeout must be >= 0 ms, got {}", s.where(),
             timeout.count());
   std::unique_lock<std::mutex> lock(s.mutex);
-  SMP_CHECK(s.phase != Phase::kIdle, s.where(), ": recv() needs an open step: call start() first");
+  SMP_CHECK(s.phase != Phase::kIdle, "{}: recv() needs an open step: call start() first",
+            s.where());
   auto ready = [&] { return s.first_error || !s.inbox.empty() || internal::open_peers(s).empty(); };
   if (!s.cv.wait_for(lock, internal::clamp_wait(timeout), ready)) {
     const std::vector<int> open = internal::open_peers(s);
-    throw TransportError(
-        concat(s.where(), ": recv(): no message within ", timeout.count(),
-               " ms; channels still open (no END yet) from peers ", internal::join(open)),
-        open);
+    throw TransportError(fmt::format(FMT_STRING("{}: recv(): no message within {} ms; channels "
+                                                "still open (no END yet) from peers [{}]"),
+                                     s.where(), timeout.count(), fmt::join(open, ", ")),
+                         open);
   }
   if (s.first_error) std::rethrow_exception(s.first_error);
   if (s.inbox.empty()) return std::nullopt;  // every peer has sent END
@@ -639,8 +657,8 @@ std::optional<Message> Transport::recv(std::chrono::milliseconds timeout) {
 std::optional<Message> Transport::try_recv() {
   TransportState& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
-  SMP_CHECK(s.phase != Phase::kIdle, s.where(),
-            ": try_recv() needs an open step: call start() first");
+  SMP_CHECK(s.phase != Phase::kIdle, "{}: try_recv() needs an open step: call start() first",
+            s.where());
   if (s.first_error) std::rethrow_exception(s.first_error);
   if (s.inbox.empty()) return std::nullopt;
   Message message = std::move(s.inbox.front());
@@ -652,8 +670,8 @@ void Transport::finish(bool abort_on_failure) {
   TransportState& s = *state_;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
-    SMP_CHECK(s.phase != Phase::kIdle, s.where(), ": finish() without start()");
-    SMP_CHECK(s.phase == Phase::kRunning, s.where(),
+    SMP_CHECK(s.phase != Phase::kIdle, "{}: finish() without start()", s.where());
+    SMP_CHECK(s.phase == Phase::kRunning, "{}{}", s.where(),
               s.phase == Phase::kFinishing ? ": finish() called twice"
                                            : ": finish() after a failure or abort()");
     s.phase = Phase::kFinishing;
@@ -687,25 +705,27 @@ void Transport::finish(bool abort_on_failure) {
         if (!c->done) missing.push_back(peer);
       }
       error = std::make_exception_ptr(TransportError(
-          concat(s.where(), ": finish(): no END from peers ", internal::join(missing), " within ",
-                 s.timeout.count(), " ms; did they call finish()?"),
+          fmt::format(
+              FMT_STRING(
+                  "{}: finish(): no END from peers [{}] within {} ms; did they call finish()?"),
+              s.where(), fmt::join(missing, ", "), s.timeout.count()),
           missing));
     }
     // 3. Every message of the step must have been delivered: leftovers are a protocol bug.
     if (!error && !s.inbox.empty()) {
       std::map<int, int> counts;
       for (const Message& m : s.inbox) ++counts[m.peer];
-      std::ostringstream detail;
+      std::vector<std::string> detail;
       std::vector<int> peers;
       for (const auto& [peer, count] : counts) {
-        detail << (peers.empty() ? "" : ", ") << count << " from peer " << peer;
+        detail.push_back(fmt::format(FMT_STRING("{} from peer {}"), count, peer));
         peers.push_back(peer);
       }
-      error = std::make_exception_ptr(
-          TransportError(concat(s.where(), ": finish(): ", s.inbox.size(),
-                                " received message(s) were never taken by recv() (", detail.str(),
-                                "); every message of a step must be received in that step"),
-                         peers));
+      error = std::make_exception_ptr(TransportError(
+          fmt::format(FMT_STRING("{}: finish(): {} received message(s) were never taken by recv() "
+                                 "({}); every message of a step must be received in that step"),
+                      s.where(), s.inbox.size(), fmt::join(detail, ", ")),
+          peers));
       s.inbox.clear();
     }
   }

@@ -4,11 +4,16 @@
 // names the offending value and the fix; the Python bindings turn it into ValueError. Broken
 // invariants inside smp use SMP_INTERNAL_ASSERT, which says "this is a bug in smp".
 //
+// Messages are fmt format strings, checked at compile time (FMT_STRING), so they must be string
+// literals; a literal brace is written {{ or }}. Doubles are formatted with {:g}, which prints
+// them as std::ostream does (6 significant digits).
+//
 // Example:
-//   SMP_CHECK(degree >= 1, "pipeline_parallel_degree must be >= 1, got ", degree);
+//   SMP_CHECK(degree >= 1, "pipeline_parallel_degree must be >= 1, got {}", degree);
 #pragma once
 
-#include <sstream>
+#include <fmt/format.h>
+
 #include <stdexcept>
 #include <string>
 
@@ -22,32 +27,29 @@ class Error : public std::invalid_argument {
 
 namespace internal {
 
-template <typename... Args>
-std::string concat(const Args&... args) {
-  std::ostringstream out;
-  (out << ... << args);
-  return out.str();
-}
-
 [[noreturn]] void throw_internal_error(const char* file, int line, const char* condition,
                                        const std::string& message);
 
 }  // namespace internal
 }  // namespace smp
 
-/// Throws smp::Error built from the streamed arguments unless `cond` holds.
-#define SMP_CHECK(cond, ...)                                    \
-  do {                                                          \
-    if (!(cond)) {                                              \
-      throw ::smp::Error(::smp::internal::concat(__VA_ARGS__)); \
-    }                                                           \
+/// Throws smp::Error with the formatted message unless `cond` holds:
+/// SMP_CHECK(cond, "format {}", args...).
+#define SMP_CHECK(cond, format_string, ...)                                        \
+  do {                                                                             \
+    if (!(cond)) {                                                                 \
+      throw ::smp::Error(::fmt::format(FMT_STRING(format_string), ##__VA_ARGS__)); \
+    }                                                                              \
   } while (false)
 
 /// Checks an invariant of smp itself (not of user input); failure means a bug in smp.
-#define SMP_INTERNAL_ASSERT(cond, ...)                                                   \
-  do {                                                                                   \
-    if (!(cond)) {                                                                       \
-      ::smp::internal::throw_internal_error(__FILE__, __LINE__, #cond,                   \
-                                            ::smp::internal::concat("", ##__VA_ARGS__)); \
-    }                                                                                    \
+/// SMP_INTERNAL_ASSERT(cond) or SMP_INTERNAL_ASSERT(cond, "format {}", args...).
+// "" before the arguments makes the format string "" when there is none.
+#define SMP_INTERNAL_ASSERT(cond, ...) SMP_INTERNAL_ASSERT_IMPL_(cond, #cond, "" __VA_ARGS__)
+#define SMP_INTERNAL_ASSERT_IMPL_(cond, text, format_string, ...)                             \
+  do {                                                                                        \
+    if (!(cond)) {                                                                            \
+      ::smp::internal::throw_internal_error(                                                  \
+          __FILE__, __LINE__, text, ::fmt::format(FMT_STRING(format_string), ##__VA_ARGS__)); \
+    }                                                                                         \
   } while (false)

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
+#include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <exception>
@@ -35,9 +36,9 @@ void run_collective(const char* what, Issue&& issue) {
   } catch (const CollectiveError&) {
     throw;
   } catch (const std::exception& error) {
-    throw CollectiveError(std::string("smp: ") + what + " failed: " + error.what());
+    throw CollectiveError(fmt::format(FMT_STRING("smp: {} failed: {}"), what, error.what()));
   }
-  if (!completed) throw CollectiveError(std::string("smp: ") + what + " was aborted");
+  if (!completed) throw CollectiveError(fmt::format(FMT_STRING("smp: {} was aborted"), what));
 }
 
 }  // namespace smp::pytorch

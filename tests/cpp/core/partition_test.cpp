@@ -1,5 +1,6 @@
 #include "smp/partition.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -43,7 +44,7 @@ PartitionNode node(const std::string& name, int parent, double compute = 0, doub
 std::vector<PartitionNode> chain_tree(double root_cost, const std::vector<double>& costs) {
   std::vector<PartitionNode> nodes = {node("root", -1, root_cost)};
   for (std::size_t i = 0; i < costs.size(); ++i) {
-    nodes.push_back(node("layer" + std::to_string(i), 0, costs[i]));
+    nodes.push_back(node(fmt::format("layer{}", i), 0, costs[i]));
   }
   return nodes;
 }
@@ -153,7 +154,7 @@ std::vector<PartitionNode> random_tree(std::mt19937& rng, int n, double zero_fra
   std::vector<PartitionNode> nodes;
   for (int v = 0; v < n; ++v) {
     const int parent = v == 0 ? -1 : std::uniform_int_distribution<int>(0, v - 1)(rng);
-    PartitionNode x = node("m" + std::to_string(v), parent);
+    PartitionNode x = node(fmt::format("m{}", v), parent);
     if (unit(rng) >= zero_fraction) {
       x.compute = unit(rng);
       x.param_bytes = unit(rng) * 100;
@@ -266,7 +267,7 @@ TEST(PartitionTest, ChainMatchesContiguousOracle) {
     const double root_cost = unit(rng) < 0.5 ? 0.0 : unit(rng);
     const std::vector<PartitionNode> nodes = chain_tree(root_cost, costs);
     const PartitionPlan plan = partition(nodes, stages(p, /*memory_weight=*/0));
-    const std::string where = "trial " + std::to_string(trial);
+    const std::string where = fmt::format("trial {}", trial);
     expect_valid_plan(nodes, plan, p, where);
     // Oracle: the root's own cost inserted at every position of the children, every split.
     const std::vector<double> leaf(plan.node_cost.begin() + 1, plan.node_cost.end());
@@ -302,7 +303,7 @@ TEST(PartitionTest, SmallRandomTreesAreWithinTwiceTheOptimum) {
         if (unit(rng) < 0.2) x.pin = std::uniform_int_distribution<int>(0, p - 1)(rng);
       }
     }
-    const std::string where = "trial " + std::to_string(trial);
+    const std::string where = fmt::format("trial {}", trial);
     if (placeable_units(nodes) < p) {
       EXPECT_THROW(partition(nodes, stages(p)), Error) << where;
       ++rejected;
@@ -338,7 +339,7 @@ TEST(PartitionTest, RandomPinsAreHonoured) {
     for (PartitionNode& x : nodes) {
       if (unit(rng) < 0.05) x.pin = std::uniform_int_distribution<int>(0, p - 1)(rng);
     }
-    const std::string where = "trial " + std::to_string(trial);
+    const std::string where = fmt::format("trial {}", trial);
     if (placeable_units(nodes) < p) {
       EXPECT_THROW(partition(nodes, stages(p)), Error) << where;
       continue;
@@ -434,7 +435,7 @@ std::vector<PartitionNode> gpt_tree(int num_blocks) {
   nodes.back().chain = true;
   const int h = 2;
   for (int b = 0; b < num_blocks; ++b) {
-    const std::string prefix = "transformer.h." + std::to_string(b);
+    const std::string prefix = fmt::format("transformer.h.{}", b);
     const int block = static_cast<int>(nodes.size());
     nodes.push_back(node(prefix, h, tokens * hidden, 0, act));  // residual adds
     nodes.push_back(node(prefix + ".ln_1", block, 5 * tokens * hidden, 2 * hidden * 4, act));
@@ -452,7 +453,7 @@ std::vector<PartitionNode> gpt_tree(int num_blocks) {
 TEST(PartitionTest, GptLikeModelIsWithinFivePercentOfTheLeafOptimum) {
   const std::vector<PartitionNode> nodes = gpt_tree(24);
   for (int p : {2, 4, 8}) {
-    const std::string where = "p=" + std::to_string(p);
+    const std::string where = fmt::format("p={}", p);
     const PartitionPlan plan = partition(nodes, stages(p));
     expect_valid_plan(nodes, plan, p, where);
     const std::vector<double> leaves = preorder_costs(nodes, plan.node_cost);
@@ -476,9 +477,9 @@ TEST(PartitionTest, ChainOfEqualBlocksKeepsBlocksWhole) {
   nodes[2].chain = true;
   for (int b = 0; b < 8; ++b) {
     const int block = static_cast<int>(nodes.size());
-    nodes.push_back(node("block" + std::to_string(b), 2));
-    nodes.push_back(node("block" + std::to_string(b) + ".attn", block, 1));
-    nodes.push_back(node("block" + std::to_string(b) + ".mlp", block, 2));
+    nodes.push_back(node(fmt::format("block{}", b), 2));
+    nodes.push_back(node(fmt::format("block{}.attn", b), block, 1));
+    nodes.push_back(node(fmt::format("block{}.mlp", b), block, 2));
   }
   const PartitionPlan plan = partition(nodes, stages(4, 0));
   expect_valid_plan(nodes, plan, 4, "blocks");
@@ -541,14 +542,14 @@ TEST(PartitionTest, AllZeroCostsBalanceModuleCounts) {
   const std::vector<PartitionNode> nodes = chain_tree(0, std::vector<double>(11, 0.0));
   for (int p : {1, 2, 3, 4, 12}) {
     const PartitionPlan plan = partition(nodes, stages(p));
-    expect_valid_plan(nodes, plan, p, "p=" + std::to_string(p));
+    expect_valid_plan(nodes, plan, p, fmt::format("p={}", p));
     for (double c : plan.node_cost) EXPECT_DOUBLE_EQ(c, 1.0 / 12);
     EXPECT_NEAR(plan.max_stage_cost, std::ceil(12.0 / p) / 12, kEps) << p;
   }
   EXPECT_THROW(partition(nodes, stages(13)), Error);
   // Zero-cost wrappers all the way down are opened so their leaves can spread.
   std::vector<PartitionNode> deep = {node("root", -1), node("a", 0), node("a.b", 1)};
-  for (int i = 0; i < 4; ++i) deep.push_back(node("leaf" + std::to_string(i), 2));
+  for (int i = 0; i < 4; ++i) deep.push_back(node(fmt::format("leaf{}", i), 2));
   const PartitionPlan plan = partition(deep, stages(7));
   expect_valid_plan(deep, plan, 7, "deep");
 }
@@ -586,7 +587,7 @@ TEST(PartitionTest, LargeRandomTreesHaveEveryStageFilled) {
   const std::vector<PartitionNode> nodes = random_tree(rng, 100000, 0.05, 0.01);
   for (int p : {2, 8, 64}) {
     const PartitionPlan plan = partition(nodes, stages(p));
-    expect_valid_plan(nodes, plan, p, "p=" + std::to_string(p));
+    expect_valid_plan(nodes, plan, p, fmt::format("p={}", p));
     const std::vector<double> leaves = preorder_costs(nodes, plan.node_cost);
     const double optimum = max_part(leaves, optimal_contiguous_partition(leaves, p), p);
     EXPECT_LE(plan.max_stage_cost, 1.02 * optimum) << p;
@@ -600,14 +601,14 @@ TEST(PartitionTest, DeepSpineIsCutWhereTheFullyExpandedOptimumCuts) {
   std::vector<PartitionNode> nodes = {node("root", -1, 1)};
   int spine = 0;
   for (int level = 0; level < 3000; ++level) {
-    nodes.push_back(node("s" + std::to_string(level), spine, 1));
+    nodes.push_back(node(fmt::format("s{}", level), spine, 1));
     spine = static_cast<int>(nodes.size()) - 1;
     for (int i = 0; i < 8; ++i) nodes.push_back(node("leaf", spine, 1));
   }
   for (int i = 0; i < 3000; ++i) nodes.push_back(node("tail", 0, 1));
   for (int p : {2, 3, 8}) {
     const PartitionPlan plan = partition(nodes, stages(p, 0));
-    expect_valid_plan(nodes, plan, p, "p=" + std::to_string(p));
+    expect_valid_plan(nodes, plan, p, fmt::format("p={}", p));
     const std::vector<double> leaves = preorder_costs(nodes, plan.node_cost);
     const double optimum = max_part(leaves, optimal_contiguous_partition(leaves, p), p);
     EXPECT_LE(plan.max_stage_cost, 1.02 * optimum) << p;
@@ -680,9 +681,9 @@ std::vector<PartitionNode> block_chain(int blocks) {
   nodes[1].chain = true;
   for (int b = 0; b < blocks; ++b) {
     const int block = static_cast<int>(nodes.size());
-    nodes.push_back(node("block" + std::to_string(b), 1));
-    nodes.push_back(node("block" + std::to_string(b) + ".attn", block, 0.5));
-    nodes.push_back(node("block" + std::to_string(b) + ".mlp", block, 0.5));
+    nodes.push_back(node(fmt::format("block{}", b), 1));
+    nodes.push_back(node(fmt::format("block{}.attn", b), block, 0.5));
+    nodes.push_back(node(fmt::format("block{}.mlp", b), block, 0.5));
   }
   return nodes;
 }
@@ -763,7 +764,7 @@ TEST(PartitionCrossingsTest, SmallRandomTreesAreWithinTwoPercentOfTheContiguousO
     PartitionOptions options = priced(p, latency, /*balance_tolerance=*/1e9);
     options.memory_weight = 0.2;
     options.bandwidth = 1000 + unit(rng) * 4000;
-    const std::string where = "trial " + std::to_string(trial);
+    const std::string where = fmt::format("trial {}", trial);
     const PartitionPlan plan = partition(nodes, options, calls);
     expect_valid_plan(nodes, plan, p, where);
     EXPECT_NEAR(plan.max_stage_load, stage_load(nodes, calls, options, plan.node_cost, plan.stage),
@@ -926,8 +927,8 @@ TEST(PartitionCrossingsTest, GptLikeModelKeepsBlocksWholeWhenCrossingsCost) {
       options.crossing_latency = 1e-3;
       options.bandwidth = 2e9;
       const PartitionPlan plan = partition(nodes, options, calls);
-      const std::string where = "p=" + std::to_string(p) + " at " +
-                                (flops_per_second > 1e12 ? "100 TFLOP/s" : "70 GFLOP/s");
+      const std::string where =
+          fmt::format("p={} at {}", p, flops_per_second > 1e12 ? "100 TFLOP/s" : "70 GFLOP/s");
       expect_valid_plan(nodes, plan, p, where);
       const PartitionPlan blind = partition(nodes, stages(p));
       EXPECT_LE(plan.max_stage_load,
@@ -963,7 +964,7 @@ TEST(PartitionCrossingsTest, LargeRandomTreeWithCallsIsFast) {
     const PartitionPlan plan = partition(nodes, options, calls);
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    expect_valid_plan(nodes, plan, p, "p=" + std::to_string(p));
+    expect_valid_plan(nodes, plan, p, fmt::format("p={}", p));
     std::cout << "100k nodes with calls, p=" << p << ": " << ms << " ms\n";
     EXPECT_LT(ms, 5000);
     const PartitionPlan blind = partition(nodes, stages(p, 0));

@@ -1,5 +1,6 @@
 #include "smp/server_policy.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -63,8 +64,8 @@ TaskKind kind_of_letter(char letter) {
 // "Q1#5" for a request; a start prints without its id ("S2").
 std::string label(const std::optional<Task>& task) {
   if (!task) return "-";
-  std::string s = kind_letter(task->kind) + std::to_string(task->microbatch);
-  if (task->kind != TaskKind::kStartMicrobatch) s += "#" + std::to_string(task->id);
+  std::string s = fmt::format("{}{}", kind_letter(task->kind), task->microbatch);
+  if (task->kind != TaskKind::kStartMicrobatch) s += fmt::format("#{}", task->id);
   return s;
 }
 
@@ -570,9 +571,9 @@ SimResult simulate(PipelineKind kind, int num_microbatches, int active, int stag
   result.executed.resize(stages);
 
   auto describe_all = [&] {
-    std::ostringstream out;
-    for (int r = 0; r < stages; ++r) out << "rank " << r << ": " << policies[r].describe() << "\n";
-    return out.str();
+    std::string out;
+    for (int r = 0; r < stages; ++r) out += fmt::format("rank {}: {}\n", r, policies[r].describe());
+    return out;
   };
   // Effects of visit `index` of microbatch m having run.
   auto complete = [&](int m, size_t index) {
@@ -617,8 +618,8 @@ SimResult simulate(PipelineKind kind, int num_microbatches, int active, int stag
         EXPECT_EQ(task->kind == TaskKind::kStartMicrobatch ? m : task->id / kStride, m);
         result.executed[r].push_back({tick, *task, visit.ticks > 0});
         if (r == 0 && visit.ticks > 0) {
-          result.leader_compute.push_back((task->kind == TaskKind::kBackward ? "B" : "F") +
-                                          std::to_string(m));
+          result.leader_compute.push_back(
+              fmt::format("{}{}", task->kind == TaskKind::kBackward ? "B" : "F", m));
         }
         if (visit.ticks == 0) {
           complete(m, index);
@@ -667,8 +668,8 @@ std::string compute_trace(const SimResult& result, int rank) {
   std::vector<std::string> items;
   for (const Executed& e : result.executed[rank]) {
     if (!e.compute) continue;
-    items.push_back(std::to_string(e.tick) + (e.task.kind == TaskKind::kBackward ? "B" : "F") +
-                    std::to_string(e.task.microbatch));
+    items.push_back(fmt::format("{}{}{}", e.tick, e.task.kind == TaskKind::kBackward ? "B" : "F",
+                                e.task.microbatch));
   }
   return joined(items);
 }
@@ -749,9 +750,8 @@ TEST(ServerPolicySimulationTest, SweepFinishesInOrderWithinLimits) {
               continue;
             }
             const std::string where =
-                std::string(pipeline_kind_name(kind)) +
-                (shape == Shape::kStar ? " star" : " chain") + " stages=" + std::to_string(stages) +
-                " microbatches=" + std::to_string(n) + " active=" + std::to_string(active);
+                fmt::format("{} {} stages={} microbatches={} active={}", pipeline_kind_name(kind),
+                            shape == Shape::kStar ? "star" : "chain", stages, n, active);
             SCOPED_TRACE(where);
             const SimResult r = simulate(kind, n, active, stages, shape);
             ++runs;
@@ -766,8 +766,8 @@ TEST(ServerPolicySimulationTest, SweepFinishesInOrderWithinLimits) {
             if (kind == kInterleaved && active == 1) {
               std::vector<std::string> sequential;
               for (int m = 0; m < n; ++m) {
-                sequential.push_back("F" + std::to_string(m));
-                sequential.push_back("B" + std::to_string(m));
+                sequential.push_back(fmt::format("F{}", m));
+                sequential.push_back(fmt::format("B{}", m));
               }
               EXPECT_EQ(r.leader_compute, sequential);
             }
@@ -940,8 +940,8 @@ TEST(ServerPolicySimulationTest, StaticSweepFinishes) {
             {"1f1b", schedule::one_f_one_b(stages, n)},
             {"zbh1", schedule::zero_bubble_h1(stages, n)}};
         for (const auto& [name, programs] : schedules) {
-          SCOPED_TRACE(name + (shape == Shape::kStar ? " star" : " chain") +
-                       " stages=" + std::to_string(stages) + " microbatches=" + std::to_string(n));
+          SCOPED_TRACE(fmt::format("{} {} stages={} microbatches={}", name,
+                                   shape == Shape::kStar ? "star" : "chain", stages, n));
           const SimResult r = simulate(kStatic, n, n, stages, shape, programs);
           ++runs;
           ASSERT_FALSE(r.deadlocked) << r.state;

@@ -1,5 +1,6 @@
 #include "smp/topology.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -77,8 +78,8 @@ TEST(TopologyTest, GroupsPartitionTheWorldForAllShapesAndPermutations) {
   for (const Shape& s : all_shapes()) {
     for (const std::string& placement : kPermutations) {
       const Topology topo(s.world, s.pp, s.tp, placement);
-      const std::string where = "world=" + std::to_string(s.world) + " pp=" + std::to_string(s.pp) +
-                                " tp=" + std::to_string(s.tp) + " " + placement;
+      const std::string where =
+          fmt::format("world={} pp={} tp={} {}", s.world, s.pp, s.tp, placement);
       ASSERT_EQ(topo.pp_size() * topo.dp_size(), s.world) << where;
       ASSERT_EQ(topo.pp_size() * topo.tp_size() * topo.rdp_size(), s.world) << where;
       ASSERT_EQ(topo.mp_size() * topo.rdp_size(), s.world) << where;

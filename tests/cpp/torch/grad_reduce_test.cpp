@@ -1,5 +1,6 @@
 #include "smp/pytorch/grad_reduce.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -133,9 +134,9 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, AllreduceMean,
                                          ReduceCase{2, 1 << 20, 2, 0}, ReduceCase{3, 1, 8, 0},
                                          ReduceCase{3, 64, 6, 2.5}),
                          [](const testing::TestParamInfo<ReduceCase>& info) {
-                           return "world" + std::to_string(info.param.world_size) + "_bucket" +
-                                  std::to_string(info.param.bucket_bytes) +
-                                  (info.param.divisor > 0 ? "_divisor" : "_mean");
+                           return fmt::format("world{}_bucket{}{}", info.param.world_size,
+                                              info.param.bucket_bytes,
+                                              info.param.divisor > 0 ? "_divisor" : "_mean");
                          });
 
 TEST(AllreduceMeanTest, WorldSizeOneOnlyDivides) {

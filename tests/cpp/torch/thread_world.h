@@ -36,6 +36,7 @@
 //   });
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -84,10 +85,10 @@ class ThreadWork : public c10d::Work {
     const bool safety_net = timeout == kNoTimeout || timeout > kWaitTimeout;
     const auto limit = safety_net ? std::chrono::milliseconds(kWaitTimeout) : timeout;
     if (!cv_.wait_for(lock, limit, [this] { return completed_ || aborted_; })) {
-      throw std::runtime_error(safety_net ? "ThreadWork: no completion within the test's safety "
-                                            "timeout; did the ranks issue different ops?"
-                                          : "ThreadWork: timed out after " +
-                                                std::to_string(timeout.count()) + " ms");
+      throw std::runtime_error(
+          safety_net ? "ThreadWork: no completion within the test's safety "
+                       "timeout; did the ranks issue different ops?"
+                     : fmt::format("ThreadWork: timed out after {} ms", timeout.count()));
     }
     if (completed_) {
       if (exception_) std::rethrow_exception(exception_);
@@ -163,7 +164,7 @@ class ThreadWorld {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failing_senders_.count(src)) {
       work->complete(std::make_exception_ptr(
-          std::runtime_error("ThreadWorld: injected send failure on rank " + std::to_string(src))));
+          std::runtime_error(fmt::format("ThreadWorld: injected send failure on rank {}", src))));
       return;
     }
     if (fail_if_dead(src, dst, work)) return;
@@ -220,13 +221,12 @@ class ThreadWorld {
       if (part.kind != first.kind || part.input.numel() != first.input.numel() ||
           part.output.numel() != first.output.numel() || !part.input.is_contiguous() ||
           !part.output.is_contiguous()) {
-        throw std::runtime_error(
-            "ThreadWorld: collective " + std::to_string(seq) + ": rank " + std::to_string(r) +
-            " issued " + kind_name(part.kind) + " of " + std::to_string(part.input.numel()) +
-            " -> " + std::to_string(part.output.numel()) + " elements, rank " +
-            std::to_string(slot.parts.begin()->first) + " " + kind_name(first.kind) + " of " +
-            std::to_string(first.input.numel()) + " -> " + std::to_string(first.output.numel()) +
-            " (or a tensor is not contiguous)");
+        throw std::runtime_error(fmt::format(
+            "ThreadWorld: collective {}: rank {} issued {} of {} -> {} elements, rank {} {} of "
+            "{} -> {} (or a tensor is not contiguous)",
+            seq, r, kind_name(part.kind), part.input.numel(), part.output.numel(),
+            slot.parts.begin()->first, kind_name(first.kind), first.input.numel(),
+            first.output.numel()));
       }
     }
     const int64_t in_numel = first.input.numel();
@@ -240,9 +240,9 @@ class ThreadWorld {
       }
       case Kind::kAllgatherBase: {
         if (out_numel != in_numel * world_size_) {
-          throw std::runtime_error("ThreadWorld: _allgather_base output has " +
-                                   std::to_string(out_numel) + " elements, expected " +
-                                   std::to_string(in_numel * world_size_));
+          throw std::runtime_error(
+              fmt::format("ThreadWorld: _allgather_base output has {} elements, expected {}",
+                          out_numel, in_numel * world_size_));
         }
         for (auto& [r, dst] : slot.parts) {
           at::Tensor flat = dst.output.view({-1});
@@ -254,9 +254,9 @@ class ThreadWorld {
       }
       case Kind::kReduceScatterBase: {
         if (in_numel != out_numel * world_size_) {
-          throw std::runtime_error("ThreadWorld: _reduce_scatter_base input has " +
-                                   std::to_string(in_numel) + " elements, expected " +
-                                   std::to_string(out_numel * world_size_));
+          throw std::runtime_error(
+              fmt::format("ThreadWorld: _reduce_scatter_base input has {} elements, expected {}",
+                          in_numel, out_numel * world_size_));
         }
         at::Tensor sum = at::zeros({in_numel}, first.input.options());
         for (const auto& [r, part] : slot.parts) sum.add_(part.input.view({-1}));  // rank order
@@ -278,8 +278,8 @@ class ThreadWorld {
   };
 
   static std::exception_ptr dead_error(int rank) {
-    return std::make_exception_ptr(std::runtime_error("ThreadWorld: rank " + std::to_string(rank) +
-                                                      " died (injected): connection closed"));
+    return std::make_exception_ptr(std::runtime_error(
+        fmt::format("ThreadWorld: rank {} died (injected): connection closed", rank)));
   }
 
   bool fail_if_dead(int src, int dst, const c10::intrusive_ptr<ThreadWork>& work) {
@@ -302,8 +302,8 @@ class ThreadWorld {
       if (send.tensor.nbytes() != recv.tensor.nbytes() || !send.tensor.is_contiguous() ||
           !recv.tensor.is_contiguous()) {
         auto error = std::make_exception_ptr(std::runtime_error(
-            "ThreadWorld: send of " + std::to_string(send.tensor.nbytes()) +
-            " bytes matched a receive of " + std::to_string(recv.tensor.nbytes()) + " bytes"));
+            fmt::format("ThreadWorld: send of {} bytes matched a receive of {} bytes",
+                        send.tensor.nbytes(), recv.tensor.nbytes())));
         send.work->complete(error);
         recv.work->complete(error);
         continue;

@@ -1,5 +1,6 @@
 #include "smp/pytorch/tp_comm.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -158,7 +159,7 @@ TEST_P(TpRegionFunction, ReduceFromRegion) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, TpRegionFunction, testing::Values(1, 2, 4),
                          [](const testing::TestParamInfo<int>& info) {
-                           return "world" + std::to_string(info.param);
+                           return fmt::format("world{}", info.param);
                          });
 
 // The functions along a dim.
@@ -238,8 +239,8 @@ INSTANTIATE_TEST_SUITE_P(WorldSizesAndDims, TpFunction,
                                          Case{4, -1}, Case{4, 2}),
                          [](const testing::TestParamInfo<Case>& info) {
                            const int64_t dim = info.param.dim;
-                           return "world" + std::to_string(info.param.world_size) + "_dim" +
-                                  (dim < 0 ? "minus" + std::to_string(-dim) : std::to_string(dim));
+                           return fmt::format("world{}_dim{}{}", info.param.world_size,
+                                              dim < 0 ? "minus" : "", dim < 0 ? -dim : dim);
                          });
 
 // ---- errors ------------------------------------------------------------------------------------
@@ -355,7 +356,7 @@ TEST(TpAutograd, SizeOneGroupIsAnAliasWithIdentityGradient) {
     EXPECT_TRUE(y.grad_fn()) << "function " << i;
     const at::Tensor g = upstream(kShardShape, 0);
     y.backward(g);
-    expect_close(x.grad(), g, "dx of function " + std::to_string(i));
+    expect_close(x.grad(), g, fmt::format("dx of function {}", i));
   }
   EXPECT_EQ(rank.backend->num_allreduce_.load() + rank.backend->num_allgather_base_.load() +
                 rank.backend->num_reduce_scatter_base_.load(),
@@ -471,7 +472,7 @@ TEST(TpComposition, ColumnThenRowParallelMlpEqualsUnsplitMlp) {
     at::Tensor y =
         reduce_from_region(shard.partial(copy_to_region(x, rank.group)), rank.group) + shard.b2;
     y.backward(mlp.g);  // y is replicated, and so is its gradient
-    expect_close(y.detach(), mlp.y.detach(), "y on rank " + std::to_string(r));
+    expect_close(y.detach(), mlp.y.detach(), fmt::format("y on rank {}", r));
     shard.expect_grads(mlp, kWorldSize, r);
     expect_close(shard.b2.grad(), mlp.b2.grad(), "db2");
     expect_close(x.grad(), mlp.x.grad(), "dx (all-reduced by copy_to_region's backward)");

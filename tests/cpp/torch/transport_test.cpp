@@ -1,5 +1,6 @@
 #include "smp/pytorch/transport.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -409,9 +410,10 @@ TEST(TransportTest, HeaderTooLongIsRefusedBeforeSending) {
       for (int64_t i = 0; i < capacity; ++i) full[i] = i * i;
       const int64_t sends_before = rank.backend->num_send_.load();
       std::vector<int64_t> too_long(capacity + 1, 1);
-      expect_throw<smp::Error>([&] { transport.send(1, too_long, tensors); },
-                               {"peer 1", "does not fit", "512-entry", std::to_string(capacity + 1),
-                                "room for " + std::to_string(capacity)});
+      expect_throw<smp::Error>(
+          [&] { transport.send(1, too_long, tensors); },
+          {"peer 1", "does not fit", "512-entry", fmt::format("{}", capacity + 1),
+           fmt::format("room for {}", capacity)});
       EXPECT_EQ(rank.backend->num_send_.load(), sends_before) << "something was sent";
       transport.send(1, full, tensors);
     } else {
@@ -588,7 +590,7 @@ TEST(TransportTest, FinishTimeoutNamesThePeer) {
     const auto started = std::chrono::steady_clock::now();
     auto error = expect_throw<TransportError>(
         [&] { transport.finish(); },
-        {"rank " + std::to_string(r), "no END from peers [2]", "300 ms", "finish()"});
+        {fmt::format("rank {}", r), "no END from peers [2]", "300 ms", "finish()"});
     if (error) {
       EXPECT_EQ(error->peers(), std::vector<int>{2});
     }
