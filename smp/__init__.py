@@ -14,7 +14,7 @@
 See docs/ and api.md for the whole API.
 """
 
-from smp import amp, comm, nn, optimizers
+from smp import amp, comm, kernels, nn, optimizers
 from smp.activations import checkpoint, checkpoint_sequential, set_activation_checkpointing
 from smp.checkpoint_io import load, save
 from smp.checkpoints import CheckpointError, resume_from_checkpoint, save_checkpoint
@@ -66,6 +66,7 @@ __all__ = [
     "tp_register_with_module",
     "tp_register_plan",
     "nn",
+    "kernels",
     "amp",
     "optimizers",
     "is_tracing",
