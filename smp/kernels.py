@@ -105,7 +105,7 @@ class _BiasGelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, bias = ctx.saved_tensors
-        dx = torch.ops.smp.bias_gelu_backward(grad.contiguous(), x, bias, ctx.approximate)
+        dx = torch.ops.smp.bias_gelu_backward(grad, x, bias, ctx.approximate)
         dbias = dx.reshape(-1, dx.size(-1)).sum(0, dtype=torch.float32).to(bias.dtype)
         return dx, dbias, None
 

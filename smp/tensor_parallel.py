@@ -592,18 +592,19 @@ class _ShardedBlock:
         # The block's dropout draws from torch's default generators: the CPU one and, for a
         # block on a GPU, that GPU's. Both are swapped for the replicated TP streams.
         device = next(self.parameters()).device
-        cuda = [device.index] if device.type == "cuda" else []
-        generators = [tpf.tp_rng("replicated")] + [tpf.tp_rng("replicated", device)] * len(cuda)
-        with torch.random.fork_rng(devices=cuda):
-            torch.set_rng_state(generators[0].get_state())
-            if cuda:
-                torch.cuda.set_rng_state(generators[1].get_state(), device)
+        on_gpu = device.type == "cuda"
+        cpu_stream = tpf.tp_rng("replicated")
+        gpu_stream = tpf.tp_rng("replicated", device) if on_gpu else None
+        with torch.random.fork_rng(devices=[device.index] if on_gpu else []):
+            torch.set_rng_state(cpu_stream.get_state())
+            if gpu_stream is not None:
+                torch.cuda.set_rng_state(gpu_stream.get_state(), device)
             try:
                 return run_region(self, base, args, kwargs)
             finally:
-                generators[0].set_state(torch.get_rng_state())
-                if cuda:
-                    generators[1].set_state(torch.cuda.get_rng_state(device))
+                cpu_stream.set_state(torch.get_rng_state())
+                if gpu_stream is not None:
+                    gpu_stream.set_state(torch.cuda.get_rng_state(device))
 
 
 _sharded_classes: dict[type, type] = {}
