@@ -12,6 +12,10 @@ Sections:
   step     a GPT (examples/gpt, ~1 B parameters in the full size) in bf16 autocast with AdamW:
            smp.DistributedModel + @smp.step with microbatches 1 and 4, against plain torch doing
            the same microbatches; tokens/s and their ratio.
+  roundtrip  two processes sharing the device over gloo (pp 2, "device": the device's type): a
+           root on stage 0 calls a trivial module on stage 1 many times per step, with a small
+           tensor and with a 1 MiB one (device tensors staged through the host, design.md §4k);
+           time per call, beside a bare gloo send + receive of the same tensor each way.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _sync(device: torch.device) -> None:
@@ -215,11 +221,72 @@ def bench_step(device, small: bool, rounds: int) -> dict:
     return results
 
 
+def _roundtrip_worker(rank: int, device_type: str, small: bool, rounds: int) -> dict:
+    import torch.distributed as dist
+    from pipeline import Caller  # benchmarks/pipeline.py: a root calling a trivial module
+
+    import smp
+
+    calls = 20 if small else 200
+    smp.init({"pipeline_parallel_degree": 2, "backend": "gloo", "device": device_type})
+    device = smp.state.get_state().device
+    caller = Caller(calls)
+    smp.set_partition(caller, 0)
+    smp.set_partition(caller.trivial, 1)
+    model = smp.DistributedModel(caller)
+
+    @smp.step
+    def ping(model, x):
+        return model(x)
+
+    result = {}
+    for name, shape in (("small", (1, 1)), ("1MiB", (256, 1024))):
+        x = torch.zeros(shape, device=device)
+        with torch.no_grad():
+            ping(model, x)  # partitions (the first time), warms up
+            times = []
+            for _ in range(rounds):
+                dist.barrier()
+                start = time.perf_counter()
+                ping(model, x)
+                _sync(device)
+                times.append((time.perf_counter() - start) / calls)
+        # The wire alone: this tensor to the peer and back over the same gloo world, staged
+        # through the host as the transport stages it.
+        bare = []
+        for _ in range(rounds):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                host = x.cpu()
+                if rank == 0:
+                    dist.send(host, 1)
+                    dist.recv(host, 1)
+                else:
+                    dist.recv(host, 0)
+                    dist.send(host, 0)
+                host.to(device)
+            bare.append((time.perf_counter() - start) / calls)
+        result[name] = {
+            "smp_call_us": statistics.median(times) * 1e6,
+            "bare_gloo_us": statistics.median(bare) * 1e6,
+            "rounds_us": [t * 1e6 for t in times],
+        }
+    smp.shutdown()
+    return result
+
+
+def bench_roundtrip(device, small: bool, rounds: int) -> dict:
+    from _launch import run_ranks
+
+    return run_ranks(_roundtrip_worker, 2, device.type, small, rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small sizes (a check, not numbers)")
-    parser.add_argument("--only", default="kernels,step")
+    parser.add_argument("--only", default="kernels,step,roundtrip")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -229,7 +296,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     report["torch"] = torch.__version__
     for section in args.only.split(","):
-        fn = {"kernels": bench_kernels, "step": bench_step}[section]
+        fn = {"kernels": bench_kernels, "step": bench_step, "roundtrip": bench_roundtrip}[section]
         report[section] = fn(device, args.small, args.rounds)
         print(f"--- {section}")
         print(json.dumps(report[section], indent=1, default=str))
@@ -253,6 +320,12 @@ def main() -> None:
             print(
                 f"step, {key.replace('_', ' ')}: smp {r['tokens_per_s']['smp']:.0f} tokens/s, "
                 f"torch {r['tokens_per_s']['torch']:.0f} tokens/s, ratio {r['ratio']:.3f}"
+            )
+    if "roundtrip" in report:
+        for size, r in report["roundtrip"].items():
+            print(
+                f"cross-stage call round trip, {size} tensor: smp {r['smp_call_us']:.0f} us, "
+                f"bare gloo send + receive {r['bare_gloo_us']:.0f} us"
             )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))

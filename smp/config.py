@@ -26,6 +26,7 @@ _PIPELINES = ("interleaved", "simple", "static")
 _SCHEDULES = ("zbh1", "1f1b", "gpipe")  # pipeline "static": generators of the schedule IR
 _OPTIMIZE = ("speed", "memory")
 _BACKENDS = ("auto", "gloo", "nccl")
+_DEVICES = ("auto", "cpu", "cuda")
 _NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
 _PERMUTATIONS = tuple("".join(p) for p in itertools.permutations("DPT"))
 
@@ -119,6 +120,10 @@ class Config:
     """Partition without the tracing pass (heuristic costs)."""
     backend: str = "auto"
     """``"nccl"`` when CUDA is available, else ``"gloo"``, unless forced to one of them."""
+    device: str = "auto"
+    """Where each rank computes: ``"auto"`` is ``cuda:LOCAL_RANK`` with NCCL and the CPU with
+    gloo; ``"cuda"`` is ``cuda:(LOCAL_RANK % GPUs)`` with either backend (gloo: several ranks
+    may share a GPU, which NCCL refuses); ``"cpu"`` needs gloo."""
     timeout_s: float = 300
     """A collective or pipeline message waiting longer than this fails every rank."""
 
@@ -148,6 +153,12 @@ class Config:
         object.__setattr__(self, "pipeline_schedule", schedule)
         _check_choice("optimize", self.optimize, _OPTIMIZE)
         _check_choice("backend", self.backend, _BACKENDS)
+        _check_choice("device", self.device, _DEVICES)
+        if self.device == "cpu" and self.backend == "nccl":
+            raise ValueError(
+                'smp config: "device" is "cpu" but "backend" is "nccl", which carries CUDA '
+                'tensors only; use "backend": "gloo" (or "auto") with the CPU'
+            )
         placement = self.placement_strategy
         if not (
             isinstance(placement, str)

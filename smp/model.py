@@ -132,7 +132,10 @@ class DistributedModel(nn.Module):
             from smp.tensor_parallel import alias_layer_lists
 
             alias_layer_lists(module)  # v1's `seq_layers` name for a marked model's layer list
-            self.module = module.to(state.device)
+            # A pipelined model stays where it was built until the partition; then each rank
+            # moves only what it owns to its device (never the whole model to one GPU).
+            pipelined = cfg.pipeline_parallel_degree > 1
+            self.module = module if pipelined else module.to(state.device)
             self.trace_device = trace_device
             self.trace_execution_times = trace_execution_times
             self.trace_memory_usage = trace_memory_usage
@@ -180,7 +183,8 @@ class DistributedModel(nn.Module):
             if self.partitioned and not per_block:
                 self._materialize_owned()
             _check_replicas_match(self.module)
-            self._broadcast_model(lambda group: 0)  # per block: buffers (parameters empty yet)
+            if not pipelined:  # pipelined: after the partition, on the device (_place_owned)
+                self._broadcast_model(lambda group: 0)  # per block: buffers (params empty yet)
             if sharded.enabled():
                 self._grad_params = []  # the unsharded parameters go as each block is sharded
                 self._replayed_crc, self._unsharded = 0, []
@@ -598,6 +602,7 @@ class DistributedModel(nn.Module):
             try:
                 traces = None
                 if not cfg.skip_tracing:
+                    self.module.to(self.tracing_device())  # "gpu": the model must fit one
                     from smp.nn.functional import local_only
 
                     # Rank 0 runs the model alone: distributed modules must not communicate.
@@ -635,10 +640,14 @@ class DistributedModel(nn.Module):
 
         self._runtime = PipelineRuntime(state, self.module, value.assignment, value.module_costs())
         self._release_remote_tensors()
+        self._place_owned(state.device)
         if self._delayed:  # this stage's parameters get their values, equal over dp
             with delayed.returning_memory():
                 self._materialize_owned()
             self._broadcast_model(lambda group: None if self._replicas_agree(group) else 0)
+        else:  # every replica of this stage starts equal (from dp rank 0)
+            self._broadcast_model(lambda group: 0)
+        self._refresh_masters()  # optimizers made before the partition: the values, the device
         self._apply_deferred_load(state)
         pending, self._after_partition = self._after_partition, []
         for action in pending:  # collectives: every rank runs the same list
@@ -683,6 +692,16 @@ class DistributedModel(nn.Module):
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         for optimizer in get_state().optimizers:  # float32 master weights of released ones
             optimizer._release_masters()
+
+    def tracing_device(self) -> torch.device:
+        """Where rank 0 traces the model (pp > 1): this rank's device with ``trace_device=
+        "gpu"`` (v1's meaning: the whole model must fit one GPU), else the CPU."""
+        return get_state().device if self.trace_device == "gpu" else torch.device("cpu")
+
+    def _place_owned(self, device: torch.device) -> None:
+        """Moves the parameters and buffers this rank owns (and their gradients) to ``device``,
+        keeping each tensor object (optimizers hold them); the others are released already."""
+        place_owned(self.module, self._owns, lambda t: t.to(device))
 
     def _delayed_tracing(self):
         if not self._delayed:
@@ -912,6 +931,23 @@ class DistributedModel(nn.Module):
         with torch.no_grad():
             # The root is a rank of the group, as in c10d's BroadcastOptions.
             dist._broadcast_coalesced(state.groups[group], tensors, self.bucket_bytes, root)
+
+
+def place_owned(
+    module: nn.Module, owns: Callable[[str], bool], move: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Replaces the values of the parameters and buffers of ``module`` whose names ``owns``
+    accepts by ``move(value)`` in place (``.data``: the tensor objects stay), gradients with
+    them; shared tensors once, under their first name."""
+    with torch.no_grad():
+        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+            if not owns(name):
+                continue
+            moved = move(tensor.data)
+            if moved is not tensor.data:
+                tensor.data = moved
+            if tensor.grad is not None:
+                tensor.grad = move(tensor.grad)
 
 
 def _scaled(tensors, scale: float):

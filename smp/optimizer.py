@@ -389,7 +389,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for master, param in getattr(self, "_smp_masters", {}).values():
                 if param.numel() > 0 and (params is None or id(param) in params):
-                    if master.shape != param.shape:  # made from a delayed parameter's placeholder
+                    # Made from a delayed parameter's placeholder, or before the partition
+                    # moved the parameter to this rank's device.
+                    if master.shape != param.shape or master.device != param.device:
                         master.data = torch.empty_like(param, dtype=master.dtype)
                     master.copy_(param)
 

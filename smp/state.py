@@ -70,10 +70,13 @@ class State:
         topology: the ``smp._C.Topology`` of the job.
         rank, world_size, local_rank, local_size: this process in the job.
         backend: "gloo" or "nccl".
-        device: where this rank's model lives (``cuda:<local_rank>`` with NCCL, else CPU).
+        device: where this rank computes (config "device": ``cuda:<local_rank>`` with NCCL,
+            else the CPU, unless set).
         groups: {"world", "pp", "tp", "dp", "rdp", "mp"} -> this rank's torch process group
             (plus "tp_order" with pp > 1 and tp > 1: see PipelineRuntime; "sdp" and
-            "sdp_replicate" with sharded_data_parallel_degree > 1).
+            "sdp_replicate" with sharded_data_parallel_degree > 1; with pp > 1 under NCCL,
+            "pp_host", the pipeline group's gloo twin, and "pp_up" / "pp_down", its payload
+            groups: see ``host_group`` and ``pipeline_payload_groups``).
         group_ranks: the same keys -> the world ranks of that group, ascending.
         owns_default_group: True when smp created the default process group (and so destroys it).
     """
@@ -97,8 +100,9 @@ class State:
         self.local_size = local_size
         self.backend = backend
         self.owns_default_group = owns_default_group
-        self.device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        self.device = _resolve_device(config.device, backend, local_rank)
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.retired_groups: list[dist.ProcessGroup] = []  # replaced, destroyed at shutdown
         self.group_ranks: dict[str, list[int]] = {}
         # The pipeline runtimes of this job's models, held weakly (a model owns its runtime and
         # releases it with itself); shutdown() closes those alive before the groups go.
@@ -111,6 +115,40 @@ class State:
         self.in_step = False
         self.step_models: list = []  # the DistributedModels given to the running step
         self.microbatch: int | None = None
+
+    def host_group(self, name: str) -> dist.ProcessGroup:
+        """The group ``name`` for host-side traffic: its gloo twin where one exists (the
+        pipeline's headers under NCCL, design.md §4k), else the group itself."""
+        return self.groups.get(f"{name}_host", self.groups[name])
+
+    def pipeline_payload_groups(self) -> list[dist.ProcessGroup]:
+        """The pipeline's payload groups (ascending, descending direction), or [] where
+        device tensors travel with the headers (gloo)."""
+        if "pp_up" not in self.groups:
+            return []
+        return [self.groups["pp_up"], self.groups["pp_down"]]
+
+    def renew_pipeline_payload_groups(self) -> None:
+        """New payload groups after a failed step (every rank calls it, in the same order): a
+        payload the failed step left unmatched must not meet the next step's receive. The old
+        groups are aborted where torch can (NCCL)."""
+        if "pp_up" not in self.groups:
+            return
+        old = [self.groups.pop("pp_up"), self.groups.pop("pp_down")]
+        _build_payload_groups(self, datetime.timedelta(seconds=self.config.timeout_s))
+        # NCCL: abort the old communicators (a payload may still be posted on them). gloo
+        # (tests): the old groups stay until shutdown; destroying a gloo group a peer may still
+        # be connected to can abort the process.
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        for group in old:
+            if self.backend != "nccl":
+                self.retired_groups.append(group)  # shutdown destroys them
+                continue
+            with contextlib.suppress(Exception):
+                if abort is not None:
+                    abort(group)
+                else:
+                    dist.destroy_process_group(group)
 
     def axis_rank(self, name: str) -> int:
         """This rank's index in its group ``name`` ("world", "pp", "tp", "dp", "rdp", "mp")."""
@@ -161,14 +199,40 @@ def _env_int(name: str, default: int | None) -> int | None:
         ) from None
 
 
-def _resolve_backend(requested: str) -> str:
+def _resolve_backend(requested: str, device: str = "auto") -> str:
     if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
         raise ValueError(
             'smp config: "backend" is "nccl" but CUDA is not available here; use "gloo" or "auto"'
         )
     return requested
+
+
+def _resolve_device(requested: str, backend: str, local_rank: int) -> torch.device:
+    """This rank's device (config "device"): NCCL needs one GPU per rank, gloo may share."""
+    if requested == "cpu" or (requested == "auto" and backend != "nccl"):
+        return torch.device("cpu")
+    if backend == "nccl":
+        return torch.device("cuda", local_rank)
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+# Tests only: payload groups on gloo too, so that the split of headers and payloads runs on
+# CPU-only machines (with NCCL they always exist for pp > 1).
+_GLOO_PAYLOAD_GROUPS = False
+
+
+def _build_payload_groups(state: State, timeout: datetime.timedelta) -> None:
+    """Two groups per pipeline group, one per direction (design.md §4k): c10d's NCCL
+    point-to-point runs one communicator per pair of ranks in a group, so each ordered pair of
+    stages gets its own and a send never queues behind a receive on one NCCL stream."""
+    for ranks in state.topology.groups(_C.Axis.PP):
+        for name in ("pp_up", "pp_down"):
+            group = dist.new_group(ranks, timeout=timeout, backend=state.backend)
+            if state.rank in ranks:
+                state.groups[name] = group
+                state.group_ranks[name] = list(ranks)
 
 
 def init(config: dict[str, Any] | None = None) -> None:
@@ -208,7 +272,11 @@ def init(config: dict[str, Any] | None = None) -> None:
         local_rank = rank % local_size if local_rank is None else local_rank
 
     cfg = build_config(config, world_size=world_size)
-    backend = _resolve_backend(cfg.backend)
+    backend = _resolve_backend(cfg.backend, cfg.device)
+    if cfg.backend == "auto" and dist.is_initialized():  # "auto" follows the default group
+        backend = "nccl" if "nccl" in str(dist.get_backend()) and cfg.device != "cpu" else "gloo"
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError('smp config: "device" is "cuda" but CUDA is not available here')
     topology = _C.Topology(
         world_size, cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree, cfg.placement_strategy
     )
@@ -217,8 +285,9 @@ def init(config: dict[str, Any] | None = None) -> None:
         shutdown()
 
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+    device = _resolve_device(cfg.device, backend, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     owns_default_group = False
     if not dist.is_initialized():
         if world_size > 1 and "MASTER_ADDR" not in os.environ:
@@ -303,11 +372,22 @@ def _build_groups(state: State, timeout: datetime.timedelta) -> None:
                 if state.rank in members:
                     state.groups[name] = group
                     state.group_ranks[name] = members
+    if state.topology.pp_size > 1 and (state.backend == "nccl" or _GLOO_PAYLOAD_GROUPS):
+        # The pipeline's headers need a host-side group under NCCL; its device tensors go on
+        # payload groups (design.md §4k).
+        if state.backend == "nccl":
+            for ranks in state.topology.groups(_C.Axis.PP):
+                group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+                if state.rank in ranks:
+                    state.groups["pp_host"] = group
+                    state.group_ranks["pp_host"] = list(ranks)
+        _build_payload_groups(state, timeout)
     if state.topology.pp_size > 1 and state.topology.tp_size > 1:
         # The pipeline's TP ranks agree on the order of their tasks over a group of their own,
-        # so those messages never interleave with the TP collectives of the modules.
+        # so those messages never interleave with the TP collectives of the modules. Its
+        # messages are host-side (call ids): gloo, whatever the backend.
         for ranks in state.topology.groups(_C.Axis.TP):
-            group = dist.new_group(ranks, timeout=timeout)
+            group = dist.new_group(ranks, timeout=timeout, backend="gloo")
             if state.rank in ranks:
                 state.groups["tp_order"] = group
                 state.group_ranks["tp_order"] = list(ranks)
@@ -344,7 +424,7 @@ def shutdown() -> None:
     if state.owns_default_group:
         dist.destroy_process_group()
     else:
-        groups = list({id(g): g for g in state.groups.values()}.values())
+        groups = list({id(g): g for g in [*state.groups.values(), *state.retired_groups]}.values())
         while groups:  # in creation order, holding no reference afterwards
             dist.destroy_process_group(groups.pop(0))
     # A destroyed gloo group keeps its connections and threads until its last reference goes,

@@ -303,19 +303,22 @@ class _StepFunction:
 
             offload.current().new_step()
         num_mb = state.config.microbatches
+        if state.device.type != "cpu":  # the step's tensors go where the (first) stage computes
+            args, kwargs = tree.map_tensors(lambda t: t.to(state.device), (args, kwargs))
         calls = self._split_arguments(args, kwargs, num_mb)  # bad input fails before any work
         models = [a for a in (*args, *kwargs.values()) if isinstance(a, DistributedModel)]
         models = list({id(m): m for m in models}.values())
 
         joining = [m for m in models if m._join is not None]
         active = _join_round(state, joining, True) if joining else None
-        first_args, first_kwargs = calls[0]
         for model in models:
             if not model.partitioned:
+                first = calls[0]
+                device = model.tracing_device()
+                if device != state.device:  # trace_device="cpu" on a GPU rank
+                    first = tree.map_tensors(lambda t, d=device: t.to(d), first)
                 with _precision(state):  # tracing runs the forward as the steps will
-                    model._partition(
-                        lambda: self._run_microbatch(state, 0, first_args, first_kwargs)
-                    )
+                    model._partition(lambda a=first: self._run_microbatch(state, 0, *a))
         runtimes = [m._runtime for m in models if m._runtime is not None]
         if len(runtimes) > 1:
             raise NotImplementedError("smp.step: one pipelined DistributedModel per step function")
@@ -585,12 +588,29 @@ def shadow_steps(model) -> None:
 
 
 def _from_pipeline_leader(state: State, results: list[Any], detach: bool) -> list[Any]:
-    """The leader's per-microbatch results, on every rank of its pipeline group."""
+    """The leader's per-microbatch results, on every rank of its pipeline group: as the
+    leader's step function made them there; on the other ranks, its device tensors land on
+    their own device (pickled as they are, they would land on the leader's device index)."""
     if detach:
         results = [_detached(r) for r in results]
-    box = [results if state.axis_rank("pp") == 0 else None]
-    dist.broadcast_object_list(box, src=state.group_ranks["pp"][0], group=state.groups["pp"])
-    return box[0]
+    leader = state.axis_rank("pp") == 0
+    box = [tree.map_tensors(_to_host, results) if leader else None]
+    dist.broadcast_object_list(box, src=state.group_ranks["pp"][0], group=state.host_group("pp"))
+    if leader:
+        return results
+    return tree.map_tensors(lambda t: _from_host(t, state.device), box[0])
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    host = t.detach().cpu().requires_grad_(t.requires_grad)
+    host._smp_on_device = True  # pickled with the tensor's Python state
+    return host
+
+
+def _from_host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device) if getattr(t, "_smp_on_device", False) else t
 
 
 def _detached(value: Any) -> Any:

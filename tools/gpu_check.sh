@@ -56,7 +56,7 @@ stamp "build ${status[build]}"
 
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if [ "${status[build]}" = passed ]; then
-  if timeout 200 "$PY" -m pytest -q -m gpu tests/python/gpu -p no:cacheprovider \
+  if timeout 240 "$PY" -m pytest -q -m gpu tests/python/gpu -p no:cacheprovider \
       --junitxml "$OUT/gpu_tests.xml"; then
     status[tests]=passed
   else
@@ -65,7 +65,7 @@ if [ "${status[build]}" = passed ]; then
   stamp "GPU tests ${status[tests]}"
   bench_args=()
   [ "$DRY" = 1 ] && bench_args=(--device cpu --small --rounds 2)
-  if timeout 240 "$PY" benchmarks/gpu.py "${bench_args[@]}" --json "$OUT/gpu_bench.json"; then
+  if timeout 210 "$PY" benchmarks/gpu.py "${bench_args[@]}" --json "$OUT/gpu_bench.json"; then
     status[bench]=passed
   else
     status[bench]=failed

@@ -66,7 +66,7 @@ void init_transport_bindings(py::module_& m) {
       R"doc(Point-to-point messages between this rank and its peers (smp/pytorch/transport.h).
 
 One FIFO channel per peer: messages from one peer arrive in the order they were sent. A message
-is a list of ints (the header) plus a list of CPU tensors. Each step: start(), any number of
+is a list of ints (the header) plus a list of tensors (CPU or device). Each step: start(), any number of
 send()/recv(), then finish() on every rank (it exchanges END with every peer); start() may then
 open the next step. The blocking calls release the GIL.
 
@@ -75,16 +75,25 @@ Args:
     peers: group ranks this rank talks to (distinct, not itself); symmetric across ranks.
     timeout_s: bounds the waits of send() and finish(), seconds > 0.
     tag: the point-to-point tag, >= 0; one per Transport on a group.
+    payload_groups: [] or two groups of the same ranks (ascending, descending direction) that
+        carry the tensors their backends support, e.g. NCCL groups for CUDA tensors; headers
+        and the other tensors go on `group` (device tensors staged through host memory).
+    device: where received device tensors land (this rank's device); None: the CPU.
 
 Raises:
     ValueError: a bad group, peer list, timeout or tag.
 )doc")
       .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<int> peers,
-                       double timeout_s, int tag) {
+                       double timeout_s, int tag,
+                       std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> payload_groups,
+                       std::optional<c10::Device> device) {
              return std::unique_ptr<Transport, DeleteWithoutGil>(new Transport(
-                 group, std::move(peers), to_millis(timeout_s, "timeout_s", false), tag));
+                 group, std::move(peers), to_millis(timeout_s, "timeout_s", false), tag,
+                 std::move(payload_groups), device.value_or(c10::Device(c10::kCPU))));
            }),
-           py::arg("group"), py::arg("peers"), py::arg("timeout_s"), py::arg("tag"))
+           py::arg("group"), py::arg("peers"), py::arg("timeout_s"), py::arg("tag"),
+           py::arg("payload_groups") = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>{},
+           py::arg("device") = py::none())
       .def(
           "start",
           [](Transport& self) {
@@ -105,7 +114,7 @@ Raises:
           R"doc(Sends one message to `peer`; returns once the peer has taken every part.
 
 Raises:
-    ValueError: not started, unknown peer, an undefined/sparse/non-CPU tensor, or a header that
+    ValueError: not started, unknown peer, an undefined/sparse/meta tensor, or a header that
         does not fit (see header_capacity), all before anything is sent.
     TransportError: the backend failed or the peer did not take the message within timeout_s.
 )doc")
@@ -164,6 +173,7 @@ Raises:
       .def_property_readonly("tag", &Transport::tag)
       .def_property_readonly("timeout_s",
                              [](const Transport& self) { return self.timeout().count() / 1000.0; })
+      .def_property_readonly("device", &Transport::device)
       .def_property_readonly("started", &Transport::started);
 
   py::register_exception<RemoteStageError>(m, "RemoteStageError", PyExc_RuntimeError);

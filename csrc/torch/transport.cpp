@@ -1,5 +1,6 @@
 #include "smp/pytorch/transport.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -25,8 +26,10 @@ namespace smp::pytorch {
 //   [2]  seq         index of the message on its channel since start(), END included
 //   [3]  H           number of header ints
 //   [4]  N           number of tensors
-//   then per tensor: dtype (c10::ScalarType as an integer, plus kInline when its bytes are in
-//   this header), ndim, size_0 ... size_{ndim-1}
+//   then per tensor: dtype (c10::ScalarType as an integer, plus the flags kInline when its
+//   bytes are in this header, kOnDevice when the sender's tensor was on a device, kOnPayload
+//   when its bytes travel on the payload group, kDeviceBytes when they go from device memory
+//   to device memory there), ndim, size_0 ... size_{ndim-1}
 //   then the H header ints, then the bytes of the inline tensors in tensor order, each from a
 //   slot boundary; the rest is zero.
 // The receiver checks magic, kind and seq, so a foreign, lost or duplicated message fails with
@@ -37,6 +40,28 @@ namespace smp::pytorch {
 // tensor: any dtype, and the backend need not support it); tensors with no elements send
 // nothing.
 
+// Note [Payload routes]
+// The header always travels on the Transport's group, a host-side (gloo) group: the receiver
+// thread must read it on the host to know what follows, and gloo's receive is what abort()
+// can wake. A tensor travels
+//   - on the payload group for its direction (kOnPayload, kDeviceBytes) when it is on a device
+//     and that group has a backend for the device's type: with NCCL, CUDA tensors go device to
+//     device, never inline (that would read device memory on the host). The
+//     works order the streams: c10d makes its NCCL stream wait for the issuing thread's
+//     current stream, and Work::wait() without a timeout makes the waiting thread's current
+//     stream wait for the NCCL stream, without blocking the host (with a timeout it would
+//     block). The sender waits so, so a caller that modifies the tensor afterwards does so
+//     after the send on its stream; the receiver allocates the buffer on its current stream
+//     (the device's default stream, under the DeviceGuard of the receiver thread) and waits so
+//     too, so the tensor is ready for whoever computes on that stream, as smp's workers do;
+//   - else as host bytes: a device tensor is first copied to the host (kOnDevice;
+//     synchronous on the sender's current stream, so it sees the producer's writes) and the
+//     receiver copies it to its device. Host bytes go inline when they fit the header, else
+//     on the payload group if it has a CPU backend (kOnPayload), else on the header's group.
+//     This is the gloo path: ranks that share one GPU (NCCL refuses two ranks on one device)
+//     and CPU-only runs. A CPU tensor with an NCCL payload group stays on the header's group
+//     (NCCL has no CPU backend), e.g. a call's pickled skeleton too big for the header.
+
 namespace internal {
 namespace {
 
@@ -44,7 +69,12 @@ constexpr int64_t kMagic = 0x736d7074726e7331;  // "smptrns1"
 constexpr int64_t kData = 0;
 constexpr int64_t kEnd = 1;
 constexpr int64_t kFixedSlots = 5;
-constexpr int64_t kInline = int64_t{1} << 32;  // added to a tensor's dtype code: bytes inline
+// Flags added to a tensor's dtype code (see Note [Wire header]).
+constexpr int64_t kInline = int64_t{1} << 32;       // its bytes are in the header
+constexpr int64_t kOnDevice = int64_t{1} << 33;     // the sender's tensor was on a device
+constexpr int64_t kOnPayload = int64_t{1} << 34;    // its bytes travel on the payload group
+constexpr int64_t kDeviceBytes = int64_t{1} << 35;  // ... from device to device memory
+constexpr int64_t kDtypeMask = kInline - 1;
 // Longer waits are clamped (a caller may pass "forever"): deadlines must not overflow.
 constexpr std::chrono::milliseconds kMaxWait = std::chrono::hours(24 * 365);
 
@@ -94,6 +124,9 @@ struct Channel {
 
 struct TransportState {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
+  // Empty, or (ascending, descending): see Note [Payload routes].
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> payload_groups;
+  c10::Device device{c10::kCPU};  // where received device tensors land
   int rank = -1;
   std::vector<int> peers;
   std::chrono::milliseconds timeout{0};
@@ -117,6 +150,28 @@ struct TransportState {
     auto it = channels.find(peer);
     return it == channels.end() ? nullptr : it->second.get();
   }
+
+  // The payload group of messages from `src` to `dst` (null if there is none).
+  c10d::ProcessGroup* payload_group(int src, int dst) const {
+    if (payload_groups.empty()) return nullptr;
+    return (src < dst ? payload_groups[0] : payload_groups[1]).get();
+  }
+};
+
+// Whether `group` sends tensors of `type` device to device: it has a backend for them and that
+// is not gloo (whose point-to-point takes host memory only, although torch registers it for
+// CUDA too).
+inline bool moves_device_bytes(c10d::ProcessGroup* group, c10::DeviceType type) {
+  return group && group->hasBackendForDeviceType(type) &&
+         group->getBackend(type)->getBackendName() != "gloo";
+}
+
+// One part of a message on the wire: its bytes, the group it travels on, and whether its works
+// are waited on the streams (device parts) or on the host.
+struct Part {
+  at::Tensor bytes;
+  c10d::ProcessGroup* group;
+  bool on_stream;
 };
 
 namespace {
@@ -128,15 +183,18 @@ TransportError error_for(const TransportState& s, int peer, const std::string& m
 // Posts one receive of `buffer` from the channel's peer and waits for it, up to `timeout`.
 // Returns false if the transport was aborted; throws TransportError naming the peer on a backend
 // failure.
-bool receive_part(TransportState& s, Channel& c, const at::Tensor& buffer,
+// A device part (`on_stream`) is waited on the receiver thread's current stream instead: the
+// host does not block (Note [Payload routes]).
+bool receive_part(TransportState& s, Channel& c, const Part& buffer,
                   std::chrono::milliseconds timeout, const std::string& part) {
   c10::intrusive_ptr<c10d::Work> work;
   {
     std::lock_guard<std::mutex> lock(c.work_mutex);
-    if (c.stop) return false;
-    std::vector<at::Tensor> buffers{buffer};
+    // Device parts are posted even after abort(): Note [Device payloads are always matched].
+    if (c.stop && !buffer.on_stream) return false;
+    std::vector<at::Tensor> buffers{buffer.bytes};
     try {
-      work = s.group->recv(buffers, c.peer, s.tag);
+      work = buffer.group->recv(buffers, c.peer, s.tag);
     } catch (...) {
       throw error_for(s, c.peer,
                       fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"), part, c.peer,
@@ -147,7 +205,7 @@ bool receive_part(TransportState& s, Channel& c, const at::Tensor& buffer,
   bool completed = false;
   std::exception_ptr error;
   try {
-    completed = work->wait(timeout);
+    completed = buffer.on_stream ? work->wait() : work->wait(timeout);
   } catch (...) {
     error = std::current_exception();
   }
@@ -174,20 +232,22 @@ bool receive_part(TransportState& s, Channel& c, const at::Tensor& buffer,
 // Sends `parts` to the channel's peer, in order, and waits on every posted part (also after a
 // failure, so nothing is left reading the caller's tensors) within `timeout` in total. Throws
 // TransportError naming the peer. The caller holds c.send_mutex.
-void send_parts(TransportState& s, Channel& c, const std::vector<at::Tensor>& parts,
-                const std::string& message) {
+// `posted_anyway`: post even after abort() (device parts whose header the peer has taken: see
+// Note [Device payloads are always matched]).
+void send_parts(TransportState& s, Channel& c, const std::vector<Part>& parts,
+                const std::string& message, bool posted_anyway = false) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(c.work_mutex);
-    if (c.stop) {
+    if (c.stop && !posted_anyway) {
       throw error_for(s, c.peer,
                       fmt::format(FMT_STRING("sending {}: the transport was aborted"), message));
     }
-    for (const at::Tensor& part : parts) {
-      std::vector<at::Tensor> buffers{part};
+    for (const Part& part : parts) {
+      std::vector<at::Tensor> buffers{part.bytes};
       try {
-        works.push_back(s.group->send(buffers, c.peer, s.tag));
+        works.push_back(part.group->send(buffers, c.peer, s.tag));
       } catch (...) {
         error = std::current_exception();
         break;
@@ -197,13 +257,15 @@ void send_parts(TransportState& s, Channel& c, const std::vector<at::Tensor>& pa
   }
   const auto deadline = std::chrono::steady_clock::now() + clamp_wait(s.timeout);
   bool aborted = false;
-  for (const auto& work : works) {
+  for (size_t i = 0; i < works.size(); ++i) {
+    const auto& work = works[i];
     // At least 1 ms: a wait of 0 ms means "no timeout" to c10d.
     const auto left = std::max(std::chrono::milliseconds(1),
                                std::chrono::duration_cast<std::chrono::milliseconds>(
                                    deadline - std::chrono::steady_clock::now()));
     try {
-      if (!work->wait(left)) aborted = true;
+      // A device part is waited on the streams (Note [Payload routes]).
+      if (!(parts[i].on_stream ? work->wait() : work->wait(left))) aborted = true;
     } catch (...) {
       if (!error) error = std::current_exception();
     }
@@ -229,8 +291,8 @@ void send_parts(TransportState& s, Channel& c, const std::vector<at::Tensor>& pa
 
 // Sends one message (data or END) to `c.peer`: numbers it and serialises it with the channel's
 // other messages. `wire` is the encoded header with slot 2 (seq) still to fill.
-void send_message(TransportState& s, Channel& c, const at::Tensor& wire,
-                  std::vector<at::Tensor> payloads, const char* kind) {
+void send_message(TransportState& s, Channel& c, const at::Tensor& wire, std::vector<Part> payloads,
+                  const char* kind) {
   std::lock_guard<std::mutex> lock(c.send_mutex);
   if (c.send_broken) {
     throw error_for(s, c.peer,
@@ -239,9 +301,16 @@ void send_message(TransportState& s, Channel& c, const at::Tensor& wire,
                                 kind, c.peer));
   }
   wire.data_ptr<int64_t>()[2] = c.send_seq;
-  payloads.insert(payloads.begin(), wire);
+  const std::string what_message = fmt::format(FMT_STRING("{} #{}"), kind, c.send_seq);
+  const Part header{wire, s.group.get(), false};
   try {
-    send_parts(s, c, payloads, fmt::format(FMT_STRING("{} #{}"), kind, c.send_seq));
+    if (std::none_of(payloads.begin(), payloads.end(), [](const Part& p) { return p.on_stream; })) {
+      payloads.insert(payloads.begin(), header);
+      send_parts(s, c, payloads, what_message);
+    } else {  // Note [Device payloads are always matched]
+      send_parts(s, c, {header}, what_message);
+      send_parts(s, c, payloads, what_message, /*posted_anyway=*/true);
+    }
   } catch (...) {
     c.send_broken = true;
     throw;
@@ -257,6 +326,9 @@ struct Parsed {
   std::vector<at::ScalarType> dtypes;
   std::vector<std::vector<int64_t>> sizes;
   std::vector<int64_t> inline_slot;  // per tensor: where its bytes start in the header, or -1
+  std::vector<bool> on_device;       // per tensor: kOnDevice
+  std::vector<bool> on_payload;      // per tensor: kOnPayload
+  std::vector<bool> device_bytes;    // per tensor: kDeviceBytes
 };
 
 int64_t slots_for(int64_t nbytes) {
@@ -294,12 +366,27 @@ Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int
   std::vector<bool> inlined;
   for (int64_t i = 0; i < num_tensors; ++i) {
     if (pos + 2 > Transport::kHeaderSlots) throw corrupt("tensor metadata overflows the header");
-    int64_t dtype = w[pos];
+    const int64_t code = w[pos];
     const int64_t ndim = w[pos + 1];
     pos += 2;
-    inlined.push_back(dtype >= kInline);
-    if (inlined.back()) dtype -= kInline;
-    if (dtype < 0 || dtype >= static_cast<int64_t>(at::ScalarType::NumOptions) ||
+    const bool device_bytes = (code & kDeviceBytes) != 0;
+    if (code < 0 || (code & ~(kDtypeMask | kInline | kOnDevice | kOnPayload | kDeviceBytes)) ||
+        ((code & kInline) && (code & kOnPayload)) ||
+        (device_bytes && !((code & kOnPayload) && (code & kOnDevice)))) {
+      throw corrupt(fmt::format(FMT_STRING("tensor {} has dtype code {}"), i, code));
+    }
+    if ((code & kOnPayload) && s.payload_groups.empty()) {
+      throw corrupt(fmt::format(FMT_STRING("tensor {} travels on a payload group, and this "
+                                           "rank's Transport has none (are the ranks configured "
+                                           "alike?)"),
+                                i));
+    }
+    inlined.push_back((code & kInline) != 0);
+    parsed.on_device.push_back((code & kOnDevice) != 0);
+    parsed.on_payload.push_back((code & kOnPayload) != 0);
+    parsed.device_bytes.push_back(device_bytes);
+    const int64_t dtype = code & kDtypeMask;
+    if (dtype >= static_cast<int64_t>(at::ScalarType::NumOptions) ||
         dtype == static_cast<int64_t>(at::ScalarType::Undefined)) {
       throw corrupt(fmt::format(FMT_STRING("tensor {} has dtype code {}"), i, w[pos - 2]));
     }
@@ -341,6 +428,17 @@ Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int
   return parsed;
 }
 
+// Note [Device payloads are always matched]
+// Device payloads (NCCL) carry no tag and no host-side completion: one left unmatched would
+// stall its rank's stream (and everything ordered after it) until NCCL's watchdog kills the
+// process, and a stray one would be taken by a later receive. So both sides keep them paired
+// through failures: a sender posts a message's device parts only once the peer has taken its
+// header (header first, waited, then the payloads, even if abort() came in between), and a
+// receiver that took a header posts receives for all of its device parts, even after abort()
+// (the message is then dropped). Posting never blocks the host. After a failed step the runtime
+// also replaces the payload groups (State.renew_pipeline_payload_groups), aborting the old
+// communicators.
+
 // Note [Idle receivers]
 // A receiver waits for the next header with a timeout of a year, not with the group's timeout
 // (what kNoTimeout means to gloo): a channel may legitimately stay idle for a whole step (two
@@ -358,24 +456,56 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
   Channel& c = *channel;
   std::exception_ptr error;
   try {
+    // Device buffers are allocated, received into and copied to on this device's current
+    // (default) stream (Note [Payload routes]).
+    const c10::DeviceGuard device_guard(s.device);  // a no-op for the CPU
+    const auto land = [&](at::Tensor host, bool on_device) {
+      return on_device && !s.device.is_cpu() ? host.to(s.device) : host;
+    };
     for (int64_t seq = 0;; ++seq) {
       at::Tensor wire = at::empty({Transport::kHeaderSlots}, at::kLong);
       // See Note [Idle receivers].
       const std::string part = fmt::format(FMT_STRING("the header of message #{}"), seq);
-      if (!receive_part(s, c, wire, kMaxWait, part)) break;
+      if (!receive_part(s, c, Part{wire, s.group.get(), false}, kMaxWait, part)) break;
       Parsed parsed = parse_wire(s, c.peer, wire, seq);
       if (parsed.kind == kEnd) break;
       Message message{c.peer, std::move(parsed.header), {}};
       bool stopped = false;
-      for (size_t i = 0; i < parsed.dtypes.size() && !stopped; ++i) {
-        at::Tensor tensor = at::empty(parsed.sizes[i], at::TensorOptions().dtype(parsed.dtypes[i]));
-        if (parsed.inline_slot[i] >= 0) {
-          std::memcpy(tensor.data_ptr(), wire.data_ptr<int64_t>() + parsed.inline_slot[i],
-                      tensor.nbytes());
-        } else if (tensor.numel() > 0) {
-          // The peer is sending this message now: its parts follow within the timeout.
-          stopped = !receive_part(s, c, as_bytes(tensor), clamp_wait(s.timeout),
-                                  fmt::format(FMT_STRING("tensor {} of message #{}"), i, seq));
+      for (size_t i = 0; i < parsed.dtypes.size(); ++i) {
+        // After a stop only device parts are still received: see Note [Device payloads are
+        // always matched].
+        if (stopped && !parsed.device_bytes[i]) continue;
+        const auto options = at::TensorOptions().dtype(parsed.dtypes[i]);
+        const std::string what_part = fmt::format(FMT_STRING("tensor {} of message #{}"), i, seq);
+        at::Tensor tensor;
+        if (parsed.device_bytes[i]) {
+          // Straight into its buffer on this rank's device.
+          if (s.device.is_cpu()) {
+            throw error_for(s, c.peer,
+                            fmt::format(FMT_STRING("{} from peer {} is a device tensor for the "
+                                                   "payload group, and this rank's Transport "
+                                                   "has no device"),
+                                        what_part, c.peer));
+          }
+          tensor = at::empty(parsed.sizes[i], options.device(s.device));
+          c10d::ProcessGroup* group = s.payload_group(c.peer, s.rank);
+          if (!receive_part(s, c, Part{as_bytes(tensor), group, true}, clamp_wait(s.timeout),
+                            what_part)) {
+            stopped = true;
+          }
+        } else {
+          tensor = at::empty(parsed.sizes[i], options);
+          if (parsed.inline_slot[i] >= 0) {
+            std::memcpy(tensor.data_ptr(), wire.data_ptr<int64_t>() + parsed.inline_slot[i],
+                        tensor.nbytes());
+          } else if (tensor.numel() > 0) {
+            // The peer is sending this message now: its parts follow within the timeout.
+            c10d::ProcessGroup* group =
+                parsed.on_payload[i] ? s.payload_group(c.peer, s.rank) : s.group.get();
+            stopped = !receive_part(s, c, Part{as_bytes(tensor), group, false},
+                                    clamp_wait(s.timeout), what_part);
+          }
+          if (!stopped) tensor = land(std::move(tensor), parsed.on_device[i]);
         }
         message.tensors.push_back(std::move(tensor));
       }
@@ -478,10 +608,23 @@ using internal::Phase;
 using internal::TransportState;
 
 Transport::Transport(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<int> peers,
-                     std::chrono::milliseconds timeout, int tag) {
+                     std::chrono::milliseconds timeout, int tag,
+                     std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> payload_groups,
+                     c10::Device device) {
   SMP_CHECK(group, "Transport: group must not be null");
   const int rank = group->getRank();
   const int size = group->getSize();
+  SMP_CHECK(payload_groups.empty() || payload_groups.size() == 2,
+            "Transport: payload_groups must be empty or two groups (ascending, descending), got "
+            "{}",
+            payload_groups.size());
+  for (const auto& payload : payload_groups) {
+    SMP_CHECK(payload, "Transport: a payload group must not be null");
+    SMP_CHECK(payload->getSize() == size && payload->getRank() == rank,
+              "Transport: a payload group must have the ranks of the group (size {}, rank {}), "
+              "got size {}, rank {}",
+              size, rank, payload->getSize(), payload->getRank());
+  }
   SMP_CHECK(timeout.count() > 0, "Transport: timeout must be > 0 ms, got {}", timeout.count());
   SMP_CHECK(tag >= 0, "Transport: tag must be >= 0, got {}", tag);
   auto state = std::make_shared<TransportState>();
@@ -495,6 +638,8 @@ Transport::Transport(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<i
     state->channels.emplace(peer, std::make_unique<Channel>(peer));
   }
   state->group = std::move(group);
+  state->payload_groups = std::move(payload_groups);
+  state->device = device;
   state->rank = rank;
   state->peers = std::move(peers);
   state->timeout = timeout;
@@ -581,11 +726,10 @@ void Transport::send(int peer, const std::vector<int64_t>& header,
               "tensors are supported, call .to_dense() first",
               s.where(), peer, i, shape_str(t.sizes()), c10::toString(t.scalar_type()),
               layout_name(t.layout()));
-    SMP_CHECK(t.device().is_cpu(),
-              "{}: send() to peer {}: tensor {} (shape {}, dtype {}) is on {}; only CPU tensors "
-              "are supported for now, call .cpu() first",
-              s.where(), peer, i, shape_str(t.sizes()), c10::toString(t.scalar_type()),
-              t.device().str());
+    SMP_CHECK(!t.is_meta(),
+              "{}: send() to peer {}: tensor {} (shape {}, dtype {}) is on meta and has no data; "
+              "send a CPU or device tensor",
+              s.where(), peer, i, shape_str(t.sizes()), c10::toString(t.scalar_type()));
     SMP_CHECK(!c10::isQIntType(t.scalar_type()),
               "{}: send() to peer {}: tensor {} has quantized dtype {}, which is not supported",
               s.where(), peer, i, c10::toString(t.scalar_type()));
@@ -607,6 +751,7 @@ void Transport::send(int peer, const std::vector<int64_t>& header,
   w[4] = static_cast<int64_t>(tensors.size());
   int64_t pos = internal::kFixedSlots;
   std::vector<int64_t> dtype_slot;
+  c10d::ProcessGroup* payload_group = s.payload_group(s.rank, peer);
   for (const at::Tensor& t : tensors) {
     dtype_slot.push_back(pos);
     w[pos++] = static_cast<int64_t>(t.scalar_type());
@@ -615,18 +760,29 @@ void Transport::send(int peer, const std::vector<int64_t>& header,
   }
   std::copy(header.begin(), header.end(), w + pos);
   pos += static_cast<int64_t>(header.size());
-  std::vector<at::Tensor> payloads;
+  // See Note [Payload routes].
+  std::vector<internal::Part> payloads;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
+    at::Tensor t = tensors[i].detach().resolve_conj().resolve_neg();
+    const bool on_device = !t.device().is_cpu();
+    if (on_device) w[dtype_slot[i]] += internal::kOnDevice;
     if (t.numel() == 0) continue;
-    at::Tensor bytes = internal::as_bytes(t.detach().resolve_conj().resolve_neg().contiguous());
+    if (on_device && internal::moves_device_bytes(payload_group, t.device().type())) {
+      w[dtype_slot[i]] += internal::kOnPayload + internal::kDeviceBytes;
+      payloads.push_back({internal::as_bytes(t.contiguous()), payload_group, true});
+      continue;
+    }
+    at::Tensor bytes = internal::as_bytes((on_device ? t.to(at::kCPU) : t).contiguous());
     const int64_t slots = internal::slots_for(bytes.numel());
     if (pos + slots <= kHeaderSlots) {
       std::memcpy(w + pos, bytes.data_ptr(), bytes.numel());
       w[dtype_slot[i]] += internal::kInline;
       pos += slots;
+    } else if (payload_group && payload_group->hasBackendForDeviceType(c10::kCPU)) {
+      w[dtype_slot[i]] += internal::kOnPayload;
+      payloads.push_back({std::move(bytes), payload_group, false});
     } else {
-      payloads.push_back(std::move(bytes));
+      payloads.push_back({std::move(bytes), s.group.get(), false});
     }
   }
   internal::send_message(s, *channel, wire, std::move(payloads), "message");
@@ -751,6 +907,7 @@ int Transport::rank() const { return state_->rank; }
 const std::vector<int>& Transport::peers() const { return state_->peers; }
 int Transport::tag() const { return state_->tag; }
 std::chrono::milliseconds Transport::timeout() const { return state_->timeout; }
+c10::Device Transport::device() const { return state_->device; }
 
 bool Transport::started() const {
   std::lock_guard<std::mutex> lock(state_->mutex);

@@ -624,12 +624,26 @@ class PipelineRuntime:
             return None
         n = self.state.axis_size("tp")
         peers = list(range(1, n)) if self.order_leader else [0]
-        return _C.Transport(self.order_group, peers, float(self.state.config.timeout_s), self._tag)
+        return _C.Transport(
+            self.order_group,
+            peers,
+            float(self.state.config.timeout_s),
+            self._tag,
+            device=self.state.device,
+        )
 
     def _new_transport(self):
+        """Headers (and host tensors) on the pipeline group's host side; device tensors on the
+        payload groups where there are some (NCCL; design.md §4k), else staged through the
+        host. Received device tensors land on this rank's device."""
         peers = [s for s in range(self.num_stages) if s != self.stage]
         return _C.Transport(
-            self.state.groups["pp"], peers, float(self.state.config.timeout_s), self._tag
+            self.state.host_group("pp"),
+            peers,
+            float(self.state.config.timeout_s),
+            self._tag,
+            self.state.pipeline_payload_groups(),
+            self.state.device,
         )
 
     def _slice_modules(self, costs: dict[str, float]) -> set[int]:
@@ -831,7 +845,10 @@ class PipelineRuntime:
         self._stash = {}
         self.transport.start()
         self.sender = Sender(
-            self.transport, [s for s in range(self.num_stages) if s != self.stage], self.timeout_s
+            self.transport,
+            [s for s in range(self.num_stages) if s != self.stage],
+            self.timeout_s,
+            self.state.device,
         )
         if self.order_transport is not None:
             self.order_transport.start()
@@ -912,6 +929,9 @@ class PipelineRuntime:
         self.transport.abort()
         if self.order_transport is not None:
             self.order_transport.abort()
+        # Payloads carry no tag: a device payload a failed step left unmatched would be taken
+        # by the next step's receive. New payload groups (every rank is here) start clean.
+        self.state.renew_pipeline_payload_groups()
         self._tag = _fresh_tag(self.state)
         self.transport = self._new_transport()
         self.order_transport = self._new_order_transport()

@@ -17,6 +17,8 @@ import queue
 import threading
 import time
 
+import torch
+
 from smp import _C
 
 __all__ = ["Sender"]
@@ -25,8 +27,9 @@ __all__ = ["Sender"]
 class Sender:
     """One sending thread per peer of a started ``smp._C.Transport``, for one step."""
 
-    def __init__(self, transport, peers: list[int], timeout_s: float):
+    def __init__(self, transport, peers: list[int], timeout_s: float, device=None):
         self.transport = transport
+        self.device = device  # a CUDA device the threads make current (design.md §4k)
         self.timeout_s = timeout_s
         self.error: BaseException | None = None
         self._queues = {peer: queue.SimpleQueue() for peer in peers}
@@ -83,6 +86,8 @@ class Sender:
         return self.error
 
     def _run(self, peer: int) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         q = self._queues[peer]
         while True:
             item = q.get()

@@ -39,8 +39,17 @@
 //   - Channels are matched by (group, tag, peer): two Transports on one group need two tags, and
 //     nothing else may send or receive on that tag between these ranks.
 //   - The peers lists are symmetric: if rank a lists b, b lists a.
-//   - Tensors are CPU tensors for now (gloo); the NCCL/CUDA path needs a receive device and is
-//     future work.
+//   - Tensors may live on the CPU or on a device (CUDA). Where they travel and where they land
+//     (Note [Payload routes] in transport.cpp, docs/design.md §4k): headers always go on `group`
+//     (a host-side group: gloo). A tensor goes on a payload group when one is given and it has a
+//     backend for the tensor's device type (NCCL for CUDA tensors: device to device, ordered on
+//     the streams, no host wait); otherwise on `group`, a device tensor staged through host
+//     memory. A device tensor lands on this Transport's `device` (on the CPU if that is the
+//     CPU); CPU tensors land on the CPU.
+//   - Payload groups come in a pair (ascending, descending): a message from a lower to a higher
+//     group rank uses the first, the other direction the second, so that each ordered pair of
+//     ranks has a communicator of its own (c10d's NCCL point-to-point runs one communicator per
+//     rank pair and group) and a send never waits behind a receive on one NCCL stream.
 //   - After a failure (a TransportError from send() or finish(), a receiver's error raised by
 //     recv(), abort(), or destruction without a successful finish(); a recv() timeout alone is
 //     not one) the channels are in an undefined state: the backend may still hold a
@@ -86,9 +95,12 @@ struct TransportState;  // shared with the receiver threads, which may outlive a
 
 /// One message: who sent it, the header ints and the tensors, exactly as passed to send().
 struct Message {
-  int peer = -1;                    ///< group rank of the sender
-  std::vector<int64_t> header;      ///< the sender's header ints
-  std::vector<at::Tensor> tensors;  ///< fresh contiguous CPU tensors (same dtypes and shapes)
+  int peer = -1;                ///< group rank of the sender
+  std::vector<int64_t> header;  ///< the sender's header ints
+  /// Fresh contiguous tensors (same dtypes and shapes): on the Transport's device where the
+  /// sender's was on a device, else on the CPU. Device tensors are ready for the receiver
+  /// thread's current stream, the device's default stream, on which the runtime computes.
+  std::vector<at::Tensor> tensors;
 };
 
 /// A timeout or a backend failure of the transport (not a user mistake). The message names this
@@ -126,10 +138,17 @@ class Transport {
   ///     peers' END), of a message's payload once its header has arrived, and of abort() for the
   ///     receivers to end; > 0. recv() takes its own timeout.
   ///   tag: the c10d tag of every send and receive, >= 0; distinct per Transport on one group.
+  ///   payload_groups: empty, or two groups of the same ranks as `group` (ascending,
+  ///     descending; see the file comment) that carry the tensors their backends support.
+  ///   device: where received device tensors land (the rank's device); the CPU by default.
+  ///     Receiver threads make it their current device.
   ///
-  /// Throws smp::Error for a null group, a bad peer list, timeout <= 0 or tag < 0.
+  /// Throws smp::Error for a null group, a bad peer list, timeout <= 0, tag < 0, or payload
+  /// groups that are not two groups of the same size and rank as `group`.
   Transport(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<int> peers,
-            std::chrono::milliseconds timeout, int tag);
+            std::chrono::milliseconds timeout, int tag,
+            std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> payload_groups = {},
+            c10::Device device = c10::Device(c10::kCPU));
 
   /// Aborts (see abort()) unless the last start() was followed by a successful finish(). Never
   /// throws; blocks at most about `timeout` (only if the backend ignores Work::abort()).
@@ -145,11 +164,13 @@ class Transport {
   void start();
 
   /// Sends one message to `peer`: the wire header, then each tensor with at least one element
-  /// (made contiguous; requires_grad tensors are sent detached). Returns when every part has
-  /// been taken by the peer, so the caller may modify the tensors right away.
+  /// (made contiguous; requires_grad tensors are sent detached). Returns when every host part
+  /// has been taken by the peer, and every device part is ordered before the work the calling
+  /// thread's current stream does next (c10d's Work::wait() without a timeout), so the caller
+  /// may modify the tensors right away.
   ///
   /// Throws smp::Error, before anything is sent, if not started (or finish() has begun), `peer`
-  /// is not one of the peers, a tensor is undefined, not strided, quantized or not on the CPU, or
+  /// is not one of the peers, a tensor is undefined, not strided, quantized, or
   /// the header does not fit (header_capacity(tensors) < header.size()). Throws TransportError
   /// if the backend fails or a part is not taken within the timeout (is the peer started?); the
   /// channel to `peer` is then broken and every later send to it throws as well.
@@ -204,6 +225,8 @@ class Transport {
   int tag() const;
   /// The timeout given at construction.
   std::chrono::milliseconds timeout() const;
+  /// Where received device tensors land.
+  c10::Device device() const;
   /// Whether a step is open: start() was called and finish()/abort() not yet.
   bool started() const;
 

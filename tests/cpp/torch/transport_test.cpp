@@ -253,6 +253,111 @@ TEST(TransportTest, ReuseOverSeveralSteps) {
   expect_no_errors(errors);
 }
 
+// With payload groups (Note [Payload routes]), headers stay on the group and every tensor too
+// big for the header travels on the payload group of its direction: here three ranks, each
+// sending to both others, and the counts of sends per group show the routes. The ascending
+// group carries only sends to higher ranks, the descending one only to lower ranks.
+TEST(TransportTest, PayloadGroupsCarryTheLargeTensorsPerDirection) {
+  constexpr int kWorld = 3;
+  constexpr int kNum = 20;
+  auto headers = std::make_shared<ThreadWorld>(kWorld);
+  auto up = std::make_shared<ThreadWorld>(kWorld);
+  auto down = std::make_shared<ThreadWorld>(kWorld);
+  std::vector<Rank> up_ranks;
+  std::vector<Rank> down_ranks;
+  for (int r = 0; r < kWorld; ++r) {
+    up_ranks.push_back(make_rank(up, r, kWorld));
+    down_ranks.push_back(make_rank(down, r, kWorld));
+  }
+  // Message i to a peer: one large tensor (a payload) and a small one (inline in the header).
+  auto large = [](int src, int dst, int i) {
+    return at::arange(1000, at::kDouble) + (10000.0 * src + 100.0 * dst + i);
+  };
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(kWorld, headers, ranks, [&](int r, Rank& rank) {
+    const std::vector<int> peers = others(r, kWorld);
+    Transport transport(rank.group, peers, kLong, kTag, {up_ranks[r].group, down_ranks[r].group});
+    transport.start();
+    std::vector<std::thread> senders;
+    for (int peer : peers) {
+      senders.push_back(spawn([&, peer] {
+        for (int i = 0; i < kNum; ++i) {
+          transport.send(peer, {r, i}, {large(r, peer, i), at::full({2}, i, at::kLong)});
+        }
+      }));
+    }
+    std::map<int, int> next;
+    for (int n = 0; n < kNum * static_cast<int>(peers.size()); ++n) {
+      std::optional<Message> got = transport.recv(kLong);
+      ASSERT_TRUE(got.has_value());
+      const int i = next[got->peer]++;
+      EXPECT_EQ(got->header, (std::vector<int64_t>{got->peer, i}));
+      ASSERT_EQ(got->tensors.size(), 2u);
+      EXPECT_TRUE(at::equal(got->tensors[0], large(got->peer, r, i)));
+      EXPECT_TRUE(at::equal(got->tensors[1], at::full({2}, i, at::kLong)));
+      EXPECT_TRUE(got->tensors[0].device().is_cpu());
+    }
+    for (auto& sender : senders) sender.join();
+    transport.finish();
+  });
+  expect_no_errors(errors);
+  for (int r = 0; r < kWorld; ++r) {
+    const int higher = kWorld - 1 - r;  // peers above r: its payloads on the ascending group
+    const int lower = r;
+    // Headers: kNum messages and one END per peer; payloads: one per message.
+    EXPECT_EQ(ranks[r].backend->num_send_.load(), (kNum + 1) * (kWorld - 1)) << "rank " << r;
+    EXPECT_EQ(up_ranks[r].backend->num_send_.load(), kNum * higher) << "rank " << r;
+    EXPECT_EQ(down_ranks[r].backend->num_send_.load(), kNum * lower) << "rank " << r;
+    EXPECT_EQ(up_ranks[r].backend->num_recv_.load(), kNum * lower) << "rank " << r;
+    EXPECT_EQ(down_ranks[r].backend->num_recv_.load(), kNum * higher) << "rank " << r;
+  }
+}
+
+// A peer configured without payload groups cannot read a message that used them: the receiver
+// names the mismatch instead of reading payload bytes from the wrong group.
+TEST(TransportTest, PayloadRouteWithoutPayloadGroupsIsACorruptHeader) {
+  auto headers = std::make_shared<ThreadWorld>(2);
+  auto up = std::make_shared<ThreadWorld>(2);
+  auto down = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> up_ranks{make_rank(up, 0, 2), make_rank(up, 1, 2)};
+  std::vector<Rank> down_ranks{make_rank(down, 0, 2), make_rank(down, 1, 2)};
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, headers, ranks, [&](int r, Rank& rank) {
+    if (r == 0) {
+      // Nobody takes the payload: the send fails after the timeout, naming the peer.
+      Transport transport(rank.group, {1}, milliseconds(300), kTag,
+                          {up_ranks[0].group, down_ranks[0].group});
+      transport.start();
+      expect_throw<TransportError>([&] { transport.send(1, {7}, {at::zeros({2000})}); },
+                                   {"peer 1"});
+      transport.abort();
+    } else {
+      Transport transport(rank.group, {0}, kLong, kTag);
+      transport.start();
+      expect_throw<TransportError>(
+          [&] { transport.recv(kLong); },
+          {"corrupt message #0 from peer 0", "payload group", "configured alike"});
+      transport.abort();
+    }
+  });
+  expect_no_errors(errors);
+}
+
+// Payload groups must be two groups of the group's ranks.
+TEST(TransportTest, BadPayloadGroupsAreRefused) {
+  auto headers = std::make_shared<ThreadWorld>(2);
+  auto other = std::make_shared<ThreadWorld>(3);
+  Rank rank = make_rank(headers, 0, 2);
+  Rank wrong_size = make_rank(other, 0, 3);
+  expect_throw<smp::Error>([&] { Transport(rank.group, {1}, kLong, kTag, {rank.group}); },
+                           {"two groups", "got 1"});
+  expect_throw<smp::Error>(
+      [&] {
+        Transport(rank.group, {1}, kLong, kTag, {wrong_size.group, wrong_size.group});
+      },
+      {"size 2, rank 0", "got size 3, rank 0"});
+}
+
 // Tensors whose bytes fit the wire header's free slots travel inside it (Note [Wire header]):
 // a message of small tensors is one send, each larger tensor adds one, and every tensor arrives
 // exact whichever way it went — also a small one after a large one, and one that no longer fits
@@ -439,8 +544,11 @@ TEST(TransportTest, UserMistakesThrowSmpError) {
   expect_throw<smp::Error>([&] { make(g, {0}, kLong, kTag); }, {"peer 0", "this rank"});
   expect_throw<smp::Error>([&] { make(g, {3}, kLong, kTag); }, {"peer 3", "size 3"});
   expect_throw<smp::Error>([&] { make(g, {-1}, kLong, kTag); }, {"peer -1"});
-  expect_throw<smp::Error>([&] { make(g, {1, 2, 1}, kLong, kTag); },
-                           {"peer 1", "twice", "[1, 2, 1]"});
+  expect_throw<smp::Error>(
+      [&] {
+        make(g, {1, 2, 1}, kLong, kTag);
+      },
+      {"peer 1", "twice", "[1, 2, 1]"});
   expect_throw<smp::Error>([&] { make(g, {1}, milliseconds(0), kTag); }, {"timeout", "got 0"});
   expect_throw<smp::Error>([&] { make(g, {1}, kLong, -3); }, {"tag", "got -3"});
 
@@ -455,13 +563,19 @@ TEST(TransportTest, UserMistakesThrowSmpError) {
   transport.start();
   expect_throw<smp::Error>([&] { transport.start(); }, {"twice"});
   expect_throw<smp::Error>([&] { transport.send(3, {}, {}); }, {"peer 3", "[1, 2]"});
-  expect_throw<smp::Error>([&] { transport.send(1, {}, {at::ones({1}), at::Tensor()}); },
-                           {"peer 1", "tensor 1", "undefined"});
-  expect_throw<smp::Error>([&] { transport.send(2, {}, {at::ones({2, 3}).to_sparse()}); },
-                           {"peer 2", "tensor 0", "[2, 3]", "Sparse"});
+  expect_throw<smp::Error>(
+      [&] {
+        transport.send(1, {}, {at::ones({1}), at::Tensor()});
+      },
+      {"peer 1", "tensor 1", "undefined"});
+  expect_throw<smp::Error>(
+      [&] {
+        transport.send(2, {}, {at::ones({2, 3}).to_sparse()});
+      },
+      {"peer 2", "tensor 0", "[2, 3]", "Sparse"});
   expect_throw<smp::Error>(
       [&] { transport.send(1, {}, {at::empty({4}, at::TensorOptions().device(at::kMeta))}); },
-      {"tensor 0", "meta", "CPU"});
+      {"tensor 0", "meta", "no data"});
   expect_throw<smp::Error>([&] { transport.recv(milliseconds(-1)); }, {"timeout", "got -1"});
   EXPECT_EQ(rank.backend->num_send_.load(), 0);
   // Destroyed while started, peers absent: the destructor aborts the receivers and returns.

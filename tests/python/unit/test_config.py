@@ -42,6 +42,7 @@ ALL_KEYS = {
     "delayed_parameter_initialization",
     "skip_tracing",
     "backend",
+    "device",
     "timeout_s",
     "sharded_data_parallel_degree",
 }
@@ -102,6 +103,7 @@ def test_defaults(user):
         "delayed_parameter_initialization": False,
         "skip_tracing": False,
         "backend": "auto",
+        "device": "auto",
         "timeout_s": 300,
     }
 
@@ -336,6 +338,7 @@ def test_timeout_bad(bad):
         ("pipeline", ["interleaved", "simple", "static"], ["Simple", "1f1b", 1]),
         ("optimize", ["speed", "memory"], ["fast", None]),
         ("backend", ["auto", "gloo", "nccl"], ["mpi", "NCCL"]),
+        ("device", ["auto", "cpu", "cuda"], ["gpu", "cuda:0", None]),
     ],
 )
 def test_enums(key, good, bad):
@@ -344,6 +347,11 @@ def test_enums(key, good, bad):
     for value in bad:
         message = expect_error({key: value}, f'"{key}"', f"got {value!r}")
         assert all(repr(v) in message for v in good)
+
+
+def test_cpu_device_needs_gloo():
+    assert build_config({"device": "cpu", "backend": "gloo"}).device == "cpu"
+    expect_error({"device": "cpu", "backend": "nccl"}, '"device" is "cpu"', '"backend": "gloo"')
 
 
 def test_pipeline_schedule_orders_the_static_pipeline_only():
