@@ -132,7 +132,13 @@ class _Future(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        args, kwargs = _resolve_tree((args, kwargs or {}))
+        kwargs = kwargs or {}
+        if func == _DEVICE_GET:  # where the value would land: no need to fetch it
+            return _future_device(args[0])
+        remote = _maybe_remote_op(func, args, kwargs)
+        if remote is not _LOCAL:
+            return remote
+        args, kwargs = _resolve_tree((args, kwargs))
         return func(*args, **kwargs)
 
     def __repr__(self, *, tensor_contents=None):
@@ -155,6 +161,70 @@ class _Future(torch.Tensor):
 # A future's own storage: empty, and on the meta device, so code that bypasses
 # __torch_function__ (a C++ extension bound with pybind) fails loudly instead of reading it.
 _EMPTY = torch.empty(0, device="meta")
+
+# Note [Ops on futures run where the value is]
+# An op whose tensor operands are futures of one other stage, plus tensors small enough to
+# send, runs on that stage (as a call of its _RemoteOps module, so autograd, predictions, FETCH
+# and failures are a module call's) and returns futures: with a model's logits, which the root
+# turns into a loss (Hugging Face's `model(..., labels=...)`), the logits stay where the head
+# ran, and only the loss comes back, its gradient goes out. Only the functional ops below
+# (casts, views, reductions, losses, arithmetic) do: nothing in place, nothing random, nothing
+# that returns a non-tensor. Any other use of a future fetches its value, as before.
+_DEVICE_GET = torch.Tensor.device.__get__
+_LOCAL = object()
+_SMALL_OPERANDS = 64 * 1024  # bytes of the other operands an op may send with it
+_F = torch.nn.functional
+_T = torch.Tensor
+_REMOTE_OPS = frozenset(
+    {
+        *(_T.float, _T.double, _T.half, _T.bfloat16, _T.contiguous, _T.clone),
+        *(_T.view, _T.reshape, _T.flatten, _T.__getitem__, _T.transpose, _T.permute),
+        *(_T.squeeze, _T.unsqueeze, _T.sum, _T.mean, torch.sum, torch.mean),
+        *(_T.__add__, _T.__radd__, _T.__sub__, _T.__rsub__, _T.__mul__, _T.__rmul__),
+        *(_T.__truediv__, _T.__neg__, _T.log_softmax, _T.softmax),
+        *(_F.cross_entropy, _F.nll_loss, _F.log_softmax, _F.softmax, _F.mse_loss, _F.l1_loss),
+        *(_F.binary_cross_entropy_with_logits, _F.kl_div),
+    }
+)
+
+
+class _RemoteOps(nn.Module):
+    """Runs an op on this stage for another stage's call (Note [Ops on futures run where the
+    value is]): one per stage, outside the model."""
+
+    def forward(self, func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+
+def _future_device(future: _Future) -> torch.device:
+    return future._smp_call.worker.runtime.state.device
+
+
+def _maybe_remote_op(func, args, kwargs):
+    """The futures of an op run on their stage (Note [Ops on futures run where the value is]),
+    or ``_LOCAL``."""
+    if func not in _REMOTE_OPS or "out" in kwargs:
+        return _LOCAL
+    worker = getattr(_current, "worker", None)
+    if worker is None or not worker.runtime.forward_direct:
+        return _LOCAL
+    owner, small = None, 0
+    for leaf in tree.flatten((args, kwargs))[0]:
+        if isinstance(leaf, _Future):
+            call = leaf._smp_call
+            if call.worker is not worker or call.values is not None:
+                return _LOCAL  # another microbatch's, or here already
+            if owner not in (None, call.owner):
+                return _LOCAL
+            owner = call.owner
+        elif isinstance(leaf, torch.Tensor):
+            small += leaf.numel() * leaf.element_size()
+            if small > _SMALL_OPERANDS:
+                return _LOCAL
+    if owner is None or owner == worker.runtime.stage:
+        return _LOCAL
+    runtime = worker.runtime
+    return runtime._remote_call(worker, owner, runtime.ops_index[owner], (func, *args), kwargs)
 
 
 def _resolve_module_args(module, args):
@@ -526,10 +596,18 @@ class PipelineRuntime:
         self.num_stages = state.axis_size("pp")
         self.module = module
         self.paths = [path for path, _ in module.named_modules()]
+        self.model_paths = len(self.paths)  # the model's; the stages' _RemoteOps follow
         self.modules = dict(module.named_modules())
+        self.assignment = dict(assignment)
+        self.ops_index = []  # stage -> index of its _RemoteOps
+        for stage in range(self.num_stages):
+            path = f"<ops of stage {stage}>"
+            self.ops_index.append(len(self.paths))
+            self.paths.append(path)
+            self.modules[path] = _RemoteOps()
+            self.assignment[path] = stage
         self.module_ids = {id(m): path for path, m in self.modules.items()}  # travel by path
         self.index_of = {path: i for i, path in enumerate(self.paths)}
-        self.assignment = assignment
         self._tag = _fresh_tag(state)
         # What must be released with the runtime: kept apart from it, so that a finalizer can
         # release them when the runtime is collected (it must not reference the runtime).
@@ -651,19 +729,20 @@ class PipelineRuntime:
         whose subtree runs on this stage only and costs at least 1/_SLICES_PER_STAGE of the
         stage (``costs``: each module's own share of the model's cost, from the partitioner).
         Deterministic, unlike a clock, so a step's gradients do not depend on timing."""
-        own = {path: float(costs.get(path, 0.0)) for path in self.paths}
+        paths = self.paths[: self.model_paths]
+        own = {path: float(costs.get(path, 0.0)) for path in paths}
         total = dict(own)
-        elsewhere = {path: self.assignment[path] != self.stage for path in self.paths}
-        for path in reversed(self.paths):  # named_modules is pre-order: children first here
+        elsewhere = {path: self.assignment[path] != self.stage for path in paths}
+        for path in reversed(paths):  # named_modules is pre-order: children first here
             parent = path.rpartition(".")[0]
             if path and parent in total:
                 total[parent] += total[path]
                 elsewhere[parent] |= elsewhere[path]
-        stage_cost = sum(own[p] for p in self.paths if self.assignment[p] == self.stage)
+        stage_cost = sum(own[p] for p in paths if self.assignment[p] == self.stage)
         floor = stage_cost / _SLICES_PER_STAGE
         return {
             id(self.modules[path])
-            for path in self.paths
+            for path in paths
             if path and not elsewhere[path] and total[path] > 0 and total[path] >= floor
         }
 
