@@ -223,21 +223,14 @@ def bench_step(device, small: bool, rounds: int) -> dict:
 
 def _roundtrip_worker(rank: int, device_type: str, small: bool, rounds: int) -> dict:
     import torch.distributed as dist
-    from pipeline import Caller  # benchmarks/pipeline.py: a root calling a trivial module
+    from pipeline import pinged_model  # benchmarks/pipeline.py: a root calling a trivial module
 
     import smp
 
     calls = 20 if small else 200
     smp.init({"pipeline_parallel_degree": 2, "backend": "gloo", "device": device_type})
     device = smp.state.get_state().device
-    caller = Caller(calls)
-    smp.set_partition(caller, 0)
-    smp.set_partition(caller.trivial, 1)
-    model = smp.DistributedModel(caller)
-
-    @smp.step
-    def ping(model, x):
-        return model(x)
+    model, ping = pinged_model(calls)
 
     result = {}
     for name, shape in (("small", (1, 1)), ("1MiB", (256, 1024))):

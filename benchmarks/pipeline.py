@@ -76,6 +76,22 @@ class Caller(nn.Module):
         return x
 
 
+def pinged_model(calls: int):
+    """A Caller whose root is on stage 0 and trivial module on stage 1, wrapped (smp.init done),
+    and the step function that runs it: ``ping(model, x)`` makes ``calls`` cross-stage calls."""
+    import smp
+
+    caller = Caller(calls)
+    smp.set_partition(caller, 0)
+    smp.set_partition(caller.trivial, 1)
+
+    @smp.step
+    def ping(model, x):
+        return model(x)
+
+    return smp.DistributedModel(caller), ping
+
+
 def _worker(rank: int, steps: int, warmup: int) -> dict | None:
     from model import lm_loss
 
@@ -106,15 +122,7 @@ def _worker(rank: int, steps: int, warmup: int) -> dict | None:
 
     calls = 200
     smp.init({"pipeline_parallel_degree": 2})
-    caller = Caller(calls)
-    smp.set_partition(caller, 0)
-    smp.set_partition(caller.trivial, 1)
-    pinged = smp.DistributedModel(caller)
-
-    @smp.step
-    def ping(model, x):
-        return model(x)
-
+    pinged, ping = pinged_model(calls)
     x = torch.zeros(1, 1)
     with torch.no_grad():
         ping(pinged, x)  # partitions

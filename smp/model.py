@@ -943,9 +943,7 @@ def place_owned(
         for name, tensor in (*module.named_parameters(), *module.named_buffers()):
             if not owns(name):
                 continue
-            moved = move(tensor.data)
-            if moved is not tensor.data:
-                tensor.data = moved
+            tensor.data = move(tensor.data)
             if tensor.grad is not None:
                 tensor.grad = move(tensor.grad)
 

@@ -89,6 +89,7 @@ class State:
         local_rank: int,
         local_size: int,
         backend: str,
+        device: torch.device,
         owns_default_group: bool,
     ):
         self.config = config
@@ -100,7 +101,7 @@ class State:
         self.local_size = local_size
         self.backend = backend
         self.owns_default_group = owns_default_group
-        self.device = _resolve_device(config.device, backend, local_rank)
+        self.device = device
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.retired_groups: list[dist.ProcessGroup] = []  # replaced, destroyed at shutdown
         self.group_ranks: dict[str, list[int]] = {}
@@ -199,8 +200,12 @@ def _env_int(name: str, default: int | None) -> int | None:
         ) from None
 
 
-def _resolve_backend(requested: str, device: str = "auto") -> str:
+def _resolve_backend(requested: str, device: str = "auto", existing: str | None = None) -> str:
+    """The backend for config "backend" and "device"; ``existing``: the backend of a default
+    group already initialised, which "auto" follows."""
     if requested == "auto":
+        if existing is not None:
+            return "nccl" if "nccl" in existing and device != "cpu" else "gloo"
         return "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
         raise ValueError(
@@ -272,9 +277,8 @@ def init(config: dict[str, Any] | None = None) -> None:
         local_rank = rank % local_size if local_rank is None else local_rank
 
     cfg = build_config(config, world_size=world_size)
-    backend = _resolve_backend(cfg.backend, cfg.device)
-    if cfg.backend == "auto" and dist.is_initialized():  # "auto" follows the default group
-        backend = "nccl" if "nccl" in str(dist.get_backend()) and cfg.device != "cpu" else "gloo"
+    existing = str(dist.get_backend()) if dist.is_initialized() else None
+    backend = _resolve_backend(cfg.backend, cfg.device, existing)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError('smp config: "device" is "cuda" but CUDA is not available here')
     topology = _C.Topology(
@@ -308,7 +312,7 @@ def init(config: dict[str, Any] | None = None) -> None:
             f"initialised with {dist.get_backend()!r}; drop the key or initialise with {backend!r}"
         )
 
-    state = State(cfg, topology, rank, local_rank, local_size, backend, owns_default_group)
+    state = State(cfg, topology, rank, local_rank, local_size, backend, device, owns_default_group)
     _generation += 1
     state.generation = _generation
     _build_groups(state, timeout)

@@ -66,9 +66,9 @@ void init_transport_bindings(py::module_& m) {
       R"doc(Point-to-point messages between this rank and its peers (smp/pytorch/transport.h).
 
 One FIFO channel per peer: messages from one peer arrive in the order they were sent. A message
-is a list of ints (the header) plus a list of tensors (CPU or device). Each step: start(), any number of
-send()/recv(), then finish() on every rank (it exchanges END with every peer); start() may then
-open the next step. The blocking calls release the GIL.
+is a list of ints (the header) plus a list of tensors (CPU or device). Each step: start(), any
+number of send()/recv(), then finish() on every rank (it exchanges END with every peer); start()
+may then open the next step. The blocking calls release the GIL.
 
 Args:
     group: a torch.distributed.ProcessGroup, e.g. from dist.new_group().

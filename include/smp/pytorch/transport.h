@@ -41,11 +41,12 @@
 //   - The peers lists are symmetric: if rank a lists b, b lists a.
 //   - Tensors may live on the CPU or on a device (CUDA). Where they travel and where they land
 //     (Note [Payload routes] in transport.cpp, docs/design.md §4k): headers always go on `group`
-//     (a host-side group: gloo). A tensor goes on a payload group when one is given and it has a
-//     backend for the tensor's device type (NCCL for CUDA tensors: device to device, ordered on
-//     the streams, no host wait); otherwise on `group`, a device tensor staged through host
-//     memory. A device tensor lands on this Transport's `device` (on the CPU if that is the
-//     CPU); CPU tensors land on the CPU.
+//     (a host-side group: gloo). A device tensor goes device to device on a payload group whose
+//     backend for its device is not gloo (NCCL: ordered on the streams, no host wait);
+//     otherwise it is staged through host memory. Host bytes go inline in the header when they
+//     fit, else on a payload group with a CPU backend, else on `group`. A device tensor lands
+//     on this Transport's `device` (on the CPU if that is the CPU); CPU tensors land on the
+//     CPU.
 //   - Payload groups come in a pair (ascending, descending): a message from a lower to a higher
 //     group rank uses the first, the other direction the second, so that each ordered pair of
 //     ranks has a communicator of its own (c10d's NCCL point-to-point runs one communicator per

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from models import parity_adamw, tiny_hf_model
+from test_parallel_cuda import assert_same_state  # this script's directory is on sys.path
 
 import smp
 
@@ -62,9 +63,7 @@ def main() -> None:
         assert abs(loss - ref_loss.item()) <= 1e-4 * (1 + abs(loss)), (step, loss, ref_loss)
         optimizer.step()
         reference_optimizer.step()
-        full = model.state_dict()
-        for name, value in reference.state_dict().items():
-            torch.testing.assert_close(full[name].cpu(), value.cpu(), rtol=1e-4, atol=1e-5)
+        assert_same_state(model, reference)
     print(f"rank {state.rank}: nccl pipeline ok", flush=True)
     smp.shutdown()
 

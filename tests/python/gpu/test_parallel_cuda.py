@@ -36,6 +36,15 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def assert_same_state(model, reference) -> None:
+    """The wrapped model's full state dict (gathered over the stages) equals the reference's."""
+    full = model.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(
+            full[name].cpu(), value.cpu(), **TOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 def _layout_worker(pp: int, tp: int, microbatches: int, device_kind: str = "cuda"):
     import smp
 
@@ -86,11 +95,7 @@ def _layout_worker(pp: int, tp: int, microbatches: int, device_kind: str = "cuda
         assert abs(loss - ref_loss.item()) <= 1e-4 * (1 + abs(loss)), (step, loss, ref_loss)
         optimizer.step()
         reference_optimizer.step()
-        full = model.state_dict()
-        for name, value in reference.state_dict().items():
-            torch.testing.assert_close(
-                full[name].cpu(), value.cpu(), **TOL, msg=lambda m, n=name: f"{n}: {m}"
-            )
+        assert_same_state(model, reference)
         losses.append(loss)
     for name, p in model.module.named_parameters():
         if model._owns(name):

@@ -19,6 +19,10 @@ def test_the_device_follows_backend_and_local_rank():
     assert _resolve_device("cuda", "nccl", 1) == torch.device("cuda", 1)
     assert _resolve_backend("auto", "cpu") == "gloo"  # whether or not CUDA is there
     assert _resolve_backend("gloo", "cuda") == "gloo"
+    # "auto" follows a default group initialised already (e.g. torchrun scripts, test pools).
+    assert _resolve_backend("auto", "auto", "gloo") == "gloo"
+    assert _resolve_backend("auto", "auto", "nccl") == "nccl"
+    assert _resolve_backend("auto", "cpu", "nccl") == "gloo"
 
 
 class Net(nn.Module):
