@@ -4,15 +4,19 @@
    with smp at pipeline_parallel_degree = 2, microbatches = 8 (2 gloo processes, one thread
    each), against the same model and batch in one process (one thread).
 2. Round trip of one cross-stage call to a trivial module: a root on stage 0 calls a module
-   pinned on stage 1 many times in an evaluation step; time per call.
+   pinned on stage 1 many times in an evaluation step; time per call, beside a bare gloo round
+   trip between the same processes (a 4 KiB tensor each way, the size of smp's message header),
+   and what each costs each rank: CPU time (user + system) and voluntary context switches per
+   round trip (getrusage over the timed calls; Linux: TCP segments sent per round trip).
 
-    .venv/bin/python benchmarks/pipeline.py [--steps 10] [--json out.json]
+    .venv/bin/python benchmarks/pipeline.py [--steps 10] [--only roundtrip] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -92,7 +96,35 @@ def pinged_model(calls: int):
     return smp.DistributedModel(caller), ping
 
 
-def _worker(rank: int, steps: int, warmup: int) -> dict | None:
+class _Cost:
+    """CPU time and voluntary context switches of this process (every thread) between
+    construction and :meth:`per`, and TCP segments sent on the machine (Linux; -1 elsewhere)."""
+
+    def __init__(self):
+        self.usage, self.segments = resource.getrusage(resource.RUSAGE_SELF), _tcp_out_segments()
+
+    def per(self, n: int) -> dict:
+        now = resource.getrusage(resource.RUSAGE_SELF)
+        segments = _tcp_out_segments()
+        return {
+            "cpu_us": (now.ru_utime + now.ru_stime - self.usage.ru_utime - self.usage.ru_stime)
+            / n
+            * 1e6,
+            "switches": (now.ru_nvcsw - self.usage.ru_nvcsw) / n,
+            "tcp_segments": (segments - self.segments) / n if segments >= 0 else -1.0,
+        }
+
+
+def _tcp_out_segments() -> int:
+    try:
+        with open("/proc/net/snmp") as f:
+            rows = [line.split() for line in f if line.startswith("Tcp:")]
+        return int(rows[1][rows[0].index("OutSegs")])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _train(steps: int, warmup: int) -> tuple[float, str]:
     from model import lm_loss
 
     import smp
@@ -119,41 +151,94 @@ def _worker(rank: int, steps: int, warmup: int) -> dict | None:
     samples_per_s = steps * BATCH / (time.perf_counter() - start)
     report = model.partition_report()
     smp.shutdown()
+    return samples_per_s, report
 
-    calls = 200
+
+def _gathered(cost: dict) -> list[dict]:
+    costs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(costs, cost)
+    return costs
+
+
+def _round_trips(rank: int, calls: int = 200, steps: int = 5) -> dict:
+    import smp
+
     smp.init({"pipeline_parallel_degree": 2})
     pinged, ping = pinged_model(calls)
     x = torch.zeros(1, 1)
     with torch.no_grad():
         ping(pinged, x)  # partitions
         dist.barrier()
-        start = time.perf_counter()
-        for _ in range(5):
+        cost, start = _Cost(), time.perf_counter()
+        for _ in range(steps):
             ping(pinged, x)
-        round_trip = (time.perf_counter() - start) / (5 * calls)
+        round_trip = (time.perf_counter() - start) / (steps * calls)
+        smp_cost = cost.per(steps * calls)
     smp.shutdown()
+
+    buffer, n = torch.zeros(512, dtype=torch.int64), 5 * calls  # 4 KiB, as smp's header
+    dist.barrier()
+    cost, start = _Cost(), time.perf_counter()
+    for _ in range(n):
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+    bare = (time.perf_counter() - start) / n
+    bare_cost = cost.per(n)
     return {
-        "pp2_samples_per_s": samples_per_s,
         "round_trip_us": round_trip * 1e6,
-        "partition": report,
+        "bare_gloo_round_trip_us": bare * 1e6,
+        "round_trip_cost": _gathered(smp_cost),
+        "bare_gloo_cost": _gathered(bare_cost),
     }
+
+
+def _worker(rank: int, steps: int, warmup: int, only: str | None) -> dict | None:
+    result: dict = {}
+    if only != "roundtrip":
+        result["pp2_samples_per_s"], result["partition"] = _train(steps, warmup)
+    result.update(_round_trips(rank))
+    return result
+
+
+def _print_round_trips(result: dict) -> None:
+    print(
+        f"cross-stage call round trip (trivial module): {result['round_trip_us']:.0f} us; "
+        f"bare gloo round trip (4 KiB each way): {result['bare_gloo_round_trip_us']:.0f} us"
+    )
+    print("per round trip        rank  CPU us  context switches  TCP segments (machine)")
+    for name, key in (("smp call", "round_trip_cost"), ("bare gloo", "bare_gloo_cost")):
+        for rank, cost in enumerate(result[key]):
+            print(
+                f"  {name:<19} {rank:>3} {cost['cpu_us']:7.0f} {cost['switches']:17.1f} "
+                f"{cost['tcp_segments']:13.1f}"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--only", choices=["roundtrip"], help="skip the throughput comparison")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    result = run_ranks(_worker, 2, args.steps, args.warmup)
-    result["single_samples_per_s"] = single_process(args.steps, args.warmup)
-    result["ratio_pp2_over_single"] = result["pp2_samples_per_s"] / result["single_samples_per_s"]
-    print(result.pop("partition"))
-    print(f"GPT 8 layers n_embd 256, {BATCH} x {SEQ} tokens per step, gloo, 1 thread per process")
-    print(f"one process            {result['single_samples_per_s']:8.1f} samples/s")
-    print(f"smp pp=2, 8 microbatch {result['pp2_samples_per_s']:8.1f} samples/s")
-    print(f"pp=2 / one process     {result['ratio_pp2_over_single']:.3f}")
-    print(f"cross-stage call round trip (trivial module): {result['round_trip_us']:.0f} us")
+    result = run_ranks(_worker, 2, args.steps, args.warmup, args.only)
+    if args.only is None:
+        result["single_samples_per_s"] = single_process(args.steps, args.warmup)
+        result["ratio_pp2_over_single"] = (
+            result["pp2_samples_per_s"] / result["single_samples_per_s"]
+        )
+        print(result.pop("partition"))
+        print(
+            f"GPT 8 layers n_embd 256, {BATCH} x {SEQ} tokens per step, gloo, 1 thread per process"
+        )
+        print(f"one process            {result['single_samples_per_s']:8.1f} samples/s")
+        print(f"smp pp=2, 8 microbatch {result['pp2_samples_per_s']:8.1f} samples/s")
+        print(f"pp=2 / one process     {result['ratio_pp2_over_single']:.3f}")
+    _print_round_trips(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -1,10 +1,11 @@
-"""The pipeline runtime's worker threads (smp.pipeline.runtime._Threads)."""
+"""The pipeline runtime's worker threads (smp.pipeline.runtime._Threads) and the baton they pass
+(_Baton)."""
 
 from __future__ import annotations
 
 import threading
 
-from smp.pipeline.runtime import _Threads
+from smp.pipeline.runtime import _Baton, _Threads
 
 
 class _FakeWorker:
@@ -48,3 +49,32 @@ def test_threads_are_reused_and_all_end_on_close_even_busy_ones():
     busy.thread.join(30)
     assert not busy.thread.is_alive()
     assert threads.count == 2
+
+
+def test_baton_counts_releases_and_times_out_without_one():
+    baton = _Baton()
+    assert not baton.acquire(timeout=0.01)  # nothing released: False after the wait
+    baton.release()
+    baton.release()  # a late worker's return and an abort's wake-up may both come
+    assert baton.acquire(timeout=0) and baton.acquire()
+    assert not baton.acquire(timeout=0)
+
+
+def test_baton_hands_off_between_threads():
+    go, back = _Baton(), _Baton()
+    seen = []
+
+    def worker():
+        for i in range(100):
+            assert go.acquire(timeout=30)
+            seen.append(i)
+            back.release()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    for i in range(100):
+        go.release()
+        assert back.acquire(timeout=30)
+        assert seen[-1] == i  # strictly alternating: the worker ran exactly once per grant
+    thread.join(30)
+    assert seen == list(range(100))
