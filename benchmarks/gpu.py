@@ -223,7 +223,9 @@ def bench_step(device, small: bool, rounds: int) -> dict:
 
 def _roundtrip_worker(rank: int, device_type: str, small: bool, rounds: int) -> dict:
     import torch.distributed as dist
-    from pipeline import pinged_model  # benchmarks/pipeline.py: a root calling a trivial module
+
+    # benchmarks/pipeline.py: a root calling a trivial module, and a bare gloo round trip
+    from pipeline import exchange, pinged_model
 
     import smp
 
@@ -252,12 +254,7 @@ def _roundtrip_worker(rank: int, device_type: str, small: bool, rounds: int) -> 
             start = time.perf_counter()
             for _ in range(calls):
                 host = x.cpu()
-                if rank == 0:
-                    dist.send(host, 1)
-                    dist.recv(host, 1)
-                else:
-                    dist.recv(host, 0)
-                    dist.send(host, 0)
+                exchange(rank, host)
                 host.to(device)
             bare.append((time.perf_counter() - start) / calls)
         result[name] = {

@@ -160,6 +160,16 @@ def _gathered(cost: dict) -> list[dict]:
     return costs
 
 
+def exchange(rank: int, tensor: torch.Tensor) -> None:
+    """One bare gloo round trip between ranks 0 and 1: ``tensor`` to the other and back."""
+    if rank == 0:
+        dist.send(tensor, 1)
+        dist.recv(tensor, 1)
+    else:
+        dist.recv(tensor, 0)
+        dist.send(tensor, 0)
+
+
 def _round_trips(rank: int, calls: int = 200, steps: int = 5) -> dict:
     import smp
 
@@ -180,12 +190,7 @@ def _round_trips(rank: int, calls: int = 200, steps: int = 5) -> dict:
     dist.barrier()
     cost, start = _Cost(), time.perf_counter()
     for _ in range(n):
-        if rank == 0:
-            dist.send(buffer, 1)
-            dist.recv(buffer, 1)
-        else:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
+        exchange(rank, buffer)
     bare = (time.perf_counter() - start) / n
     bare_cost = cost.per(n)
     return {
