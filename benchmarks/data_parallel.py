@@ -1,17 +1,22 @@
 """Data-parallel throughput: smp against torch DistributedDataParallel, same model, same run.
 
-Two gloo processes on CPU (one thread each) train the demo GPT for the same number of steps,
-first with smp (``microbatches=1``: smp's bucketed all-reduce after the step) and then with DDP
-(overlapping bucketed all-reduce during backward), and report samples/s and the ratio.
+Two gloo processes on CPU (one thread each) train the demo GPT for the same number of steps with
+smp (``microbatches=1``; buckets reduced during the backward, as they become final), smp with
+``overlapping_allreduce=False`` (all buckets after the step) and DDP (buckets during the
+backward), alternating the three each round. Prints every round and the medians; each ratio is
+the median of the per-round ratios.
 
-    .venv/bin/python benchmarks/data_parallel.py [--steps 30] [--json out.json]
+    .venv/bin/python benchmarks/data_parallel.py [--steps 30] [--rounds 5] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -48,10 +53,28 @@ def _worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict 
     model = smp.DistributedModel(_model(0))
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
 
+    # Where a step's time goes, per phase (milliseconds, this rank): the backward, the outcome
+    # agreement after it, and the end of the step (waiting for the reduction, copying back).
+    phases: dict[str, list[float]] = {"backward": [], "agreement": [], "finish": []}
+
+    def timing(phase: str, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[phase].append(1e3 * (time.perf_counter() - start))
+
+        return run
+
+    step_module = importlib.import_module("smp.step")  # (smp.step is also the decorator's name)
+    step_module._agree_on_outcome = timing("agreement", step_module._agree_on_outcome)
+    model._finish_step = timing("finish", model._finish_step)
+
     @smp.step
     def train_step(model, x, y):
         loss = lm_loss(model(x), y)
-        model.backward(loss)
+        timing("backward", model.backward)(loss)
         return loss
 
     def smp_step(x, y):
@@ -67,29 +90,70 @@ def _worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict 
         lm_loss(ddp(x), y).backward()
         ddp_opt.step()
 
-    # Alternate the two, best of `rounds` each, so drift in machine load hits both alike.
-    smp_seconds = ddp_seconds = float("inf")
-    for _ in range(rounds):
-        smp_seconds = min(smp_seconds, timed(smp_step, batches, warmup))
-        ddp_seconds = min(ddp_seconds, timed(ddp_step, batches, warmup))
-    smp.shutdown()
+    def smp_after_step(x, y):  # the same model and optimizer, reduced after the step
+        model.overlapping_allreduce = False
+        try:
+            smp_step(x, y)
+        finally:
+            model.overlapping_allreduce = True
+
+    # Alternate the three each round, so drift in machine load hits all alike.
+    runs = {"smp": smp_step, "smp_after_step": smp_after_step, "ddp": ddp_step}
     samples = steps * batch * world
-    return {"smp_samples_per_s": samples / smp_seconds, "ddp_samples_per_s": samples / ddp_seconds}
+    rounds_out = []
+    breakdown: dict[str, dict[str, list[float]]] = {"smp": {}, "smp_after_step": {}}
+    for _ in range(rounds):
+        result = {}
+        for name, run in runs.items():
+            for values in phases.values():
+                values.clear()
+            result[name] = samples / timed(run, batches, warmup)
+            for phase, values in phases.items():
+                if name in breakdown:
+                    breakdown[name].setdefault(phase, []).extend(values[warmup:])
+        rounds_out.append(result)
+    smp.shutdown()
+    medians = {
+        name: {phase: statistics.median(v) for phase, v in by_phase.items()}
+        for name, by_phase in breakdown.items()
+    }
+    return {"rounds": rounds_out, "phase_ms": medians}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating timed rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating timed rounds")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = run_ranks(_worker, 2, 2, args.steps, args.batch, args.rounds)
-    result["ratio_smp_over_ddp"] = result["smp_samples_per_s"] / result["ddp_samples_per_s"]
+    rounds = result["rounds"]
     print(f"world 2 (gloo, CPU, 1 thread each), GPT 0.8M params, {args.batch} samples/rank/step")
-    print(f"smp  {result['smp_samples_per_s']:8.1f} samples/s")
-    print(f"DDP  {result['ddp_samples_per_s']:8.1f} samples/s")
-    print(f"smp / DDP = {result['ratio_smp_over_ddp']:.3f}")
+    print("samples/s  smp (overlapped)  smp (after step)      DDP   smp/DDP  after/DDP")
+    for i, r in enumerate(rounds):
+        print(
+            f"round {i:3d}  {r['smp']:16.1f}  {r['smp_after_step']:16.1f}  {r['ddp']:7.1f}"
+            f"  {r['smp'] / r['ddp']:8.3f}  {r['smp_after_step'] / r['ddp']:9.3f}"
+        )
+    median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    result["median_samples_per_s"] = median
+    result["ratio_smp_over_ddp"] = statistics.median(r["smp"] / r["ddp"] for r in rounds)
+    result["ratio_after_step_over_ddp"] = statistics.median(
+        r["smp_after_step"] / r["ddp"] for r in rounds
+    )
+    print(
+        f"median     {median['smp']:16.1f}  {median['smp_after_step']:16.1f}  {median['ddp']:7.1f}"
+    )
+    print(f"smp / DDP = {result['ratio_smp_over_ddp']:.3f} (median of {len(rounds)} rounds)")
+    print(
+        f"smp reducing after the step / DDP = {result['ratio_after_step_over_ddp']:.3f} "
+        f"(median of {len(rounds)} rounds)"
+    )
+    print("per step on rank 0, ms (median)   backward  agreement  finish")
+    for name, label in (("smp", "smp (overlapped)"), ("smp_after_step", "smp (after step)")):
+        ms = result["phase_ms"][name]
+        print(f"{label:32s} {ms['backward']:9.1f}  {ms['agreement']:9.1f}  {ms['finish']:6.1f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

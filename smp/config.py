@@ -96,6 +96,10 @@ class Config:
     (right-most letter varies fastest)."""
     ddp: bool = True
     """Data parallelism over the ranks left after pp x tp."""
+    overlapping_allreduce: bool = True
+    """Reduce gradient buckets during the step's last backward, as they become final (with
+    ``DistributedModel(overlapping_allreduce=...)``: both must be True); False reduces them after
+    the step."""
     prescaled_batch: bool = False
     """All ranks of a TP group receive the same batch (Megatron semantics)."""
     shard_optimizer_state: bool = False
@@ -260,10 +264,6 @@ _V1_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         bool,
         "smp's task order is deterministic where it must be (tensor-parallel rank 0 orders "
         "its group's)",
-    ),
-    "overlapping_allreduce": (
-        bool,
-        "smp reduces gradients in buckets after the step's backward",
     ),
     "static_mode": (
         bool,

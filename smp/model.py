@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import _C, delayed, offload, sharded
+from smp import _C, delayed, offload, sharded, tree
+from smp.reduction import GradReduction
 from smp.state import get_state
 
 __all__ = ["DistributedModel", "PARTIAL_KEY"]
@@ -56,9 +57,11 @@ class DistributedModel(nn.Module):
         broadcast_buffers: broadcast buffers from dp rank 0 at the start of every step.
         find_unused_parameters: accepted for compatibility; smp always handles unused parameters.
         bucket_cap_mb: size of the gradient buckets of the data-parallel all-reduce.
-        overlapping_allreduce: accepted for compatibility (all buckets are in flight together).
-        gradient_as_bucket_view: accepted for compatibility (DDP's option): smp reduces the
-            gradients in place, so no bucket copy exists to share memory with.
+        overlapping_allreduce: reduce gradient buckets during the step's last backward, as they
+            become final (default, with the config key of that name); False reduces them all
+            after the step.
+        gradient_as_bucket_view: accepted for compatibility (DDP's option); a gradient that had
+            none on this rank before the reduction is a view of its bucket afterwards.
 
     Raises:
         ValueError: a bad option, or replicas whose parameters differ in name, shape or dtype.
@@ -164,6 +167,10 @@ class DistributedModel(nn.Module):
             self._changing_buffers: set[str] = set()
             self._step_backward_count = 0
             self._grad_union: list[int] | None = None
+            # The overlapped reduction's plan (smp/reduction.py), made at its first use; what the
+            # step's outcome agreement said of it: a bucket issued early on some rank, a stale one.
+            self._reduction: GradReduction | None = None
+            self._issued_anywhere = self._stale_anywhere = False
             self._step_count = 0
             self._join: _Join | None = None  # inside `with model.join():`
             self._comm_hook: tuple[Any, Callable] | None = None  # (state, hook)
@@ -232,6 +239,11 @@ class DistributedModel(nn.Module):
             self._runtime.backward(tensors, grad_tensors)
         else:
             offload.forward_done(state.microbatch)  # offload_activations: this forward is over
+            last = state.microbatch == state.config.microbatches - 1
+            if last and self._window_position == self.backward_passes_per_step - 1:
+                reduction = self._overlapped_reduction()
+                if reduction is not None:  # buckets are reduced as this backward finishes them
+                    reduction.arm(tree.flatten(tensors)[0])
             torch.autograd.backward(tensors, grad_tensors)
         self._step_backward_count += 1
 
@@ -804,6 +816,34 @@ class DistributedModel(nn.Module):
     def _set_grad_union(self, flags: list[int]) -> None:
         self._grad_union = flags
 
+    def _reduction_flags(self) -> tuple[int, int]:
+        """(buckets issued early, whether one is stale) for the step's outcome agreement."""
+        if self._reduction is None:
+            return 0, 0
+        return self._reduction.issued(), int(self._reduction.stale())
+
+    def _set_reduction_flags(self, issued_anywhere: bool, stale_anywhere: bool) -> None:
+        self._issued_anywhere, self._stale_anywhere = issued_anywhere, stale_anywhere
+
+    def _overlapped_reduction(self) -> GradReduction | None:
+        """The reduction overlapped with the backward (smp/reduction.py), made at its first use,
+        or None where the gradients are reduced after the step: ``overlapping_allreduce=False``
+        or a communication hook."""
+        overlap = self.overlapping_allreduce and get_state().config.overlapping_allreduce
+        if not overlap or self._comm_hook is not None:
+            return None
+        if self._reduction is None:
+            state = get_state()
+            num_mb = state.config.microbatches if self.average_grads_across_microbatches else 1
+
+            def key(p: torch.Tensor) -> tuple[str, float]:
+                group, divisor = _reduction(p, state)
+                return group, float(divisor * num_mb)
+
+            params = [p for p in self._grad_params if not sharded.is_sharded(p)]
+            self._reduction = GradReduction(params, key, state.groups, self.bucket_bytes)
+        return self._reduction
+
     def _abort_step(self) -> None:
         """Drops the gradients of a failed step (or an evaluation step) and restores those from
         before it. Inside a ``backward_passes_per_step`` window a failed step's gradients were
@@ -817,6 +857,9 @@ class DistributedModel(nn.Module):
                 self.backward_passes_per_step,
             )
             self._window_position = 0
+        if self._reduction is not None:  # peers that issued buckets get theirs matched
+            issued_anywhere, self._issued_anywhere = self._issued_anywhere, False
+            self._reduction.abort(issued_anywhere)
         if self._window_position == 0 and self._stash is not None:
             for p, old in zip(self._grad_params, self._stash):
                 p.grad = old
@@ -839,11 +882,12 @@ class DistributedModel(nn.Module):
         # (group, divisor) -> gradients; see _reduction for the rule.
         batches: dict[tuple[str, int], list[torch.Tensor]] = {}
         done_by_fsdp: list[torch.Tensor] = []
+        overlapped = self._overlapped_reduction()
         for p, used in zip(self._grad_params, union):
             if sharded.is_sharded(p):  # FSDP2 reduced it in the backward
                 done_by_fsdp.append(p)
                 continue
-            if not used:
+            if not used or overlapped is not None:
                 continue
             if p.grad is None:  # used on another rank only: contributes zeros here
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
@@ -854,7 +898,16 @@ class DistributedModel(nn.Module):
             sharded.finish_grads(
                 done_by_fsdp, lambda p: _reduction(p, state), num_mb, self.bucket_bytes
             )
-        if self._comm_hook is not None:
+        if overlapped is not None:
+            stale, self._stale_anywhere, self._issued_anywhere = self._stale_anywhere, False, False
+            if stale:
+                logger.warning(
+                    "smp: a gradient changed after its bucket's all-reduce had started (a second "
+                    "backward in the last microbatch, or .grad edited in the step function); "
+                    "the gradients were reduced again after the step"
+                )
+            overlapped.finish({id(p): bool(u) for p, u in zip(self._grad_params, union)}, stale)
+        elif self._comm_hook is not None:
             self._reduce_with_hook([g for grads in batches.values() for g in grads])
         else:
             for (group, divisor), grads in batches.items():

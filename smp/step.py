@@ -461,13 +461,21 @@ def _agree_on_outcome(
     learns the agreed count (``_agreed_backward_count``)."""
     world = state.groups["outcome"]
     grad_flags = [flag for m in models for flag in m._grad_presence()]
-    header = [1 if error else 0, len(backward_counts), *backward_counts]
+    # Per model: buckets its overlapped reduction issued, and whether one is stale (reduction.py).
+    reduction_flags = [flag for m in models for flag in m._reduction_flags()]
+    header = [1 if error else 0, len(backward_counts), *backward_counts, *reduction_flags]
     local = torch.tensor(header + grad_flags, dtype=torch.int64)
     if state.backend == "nccl":
         local = local.to(state.device)
     gathered = [torch.empty_like(local) for _ in range(state.world_size)]
     dist.all_gather(gathered, local, group=world)
     table = torch.stack(gathered).cpu()
+    # Known on every rank before any failure is raised: a failed step's ranks still complete the
+    # bucket sequence a peer began (DistributedModel._abort_step).
+    flags_at = 2 + len(backward_counts)
+    anywhere = table[:, flags_at : flags_at + len(reduction_flags)].amax(dim=0).tolist()
+    for i, model in enumerate(models):
+        model._set_reduction_flags(anywhere[2 * i] > 0, anywhere[2 * i + 1] > 0)
 
     failed_ranks = [r for r in range(state.world_size) if table[r, 0] != 0]
     if failed_ranks:
@@ -512,7 +520,7 @@ def _agree_on_outcome(
             "smp.step: ranks disagree on model.backward calls in this step (per rank: "
             f"{counts.tolist()}); every rank must run the same step function on its batch"
         )
-    offset = 2 + len(backward_counts)
+    offset = flags_at + len(reduction_flags)
     # A parameter is reduced over the ranks holding its stage: the union is over the dp group.
     any_grad = table[state.group_ranks["dp"], offset:].amax(dim=0).tolist()
     start = 0

@@ -52,6 +52,41 @@ Raises:
     ValueError: bad divisor or bucket_bytes, or a sparse, non-contiguous, undefined or integer
         tensor (the message names its index, shape and dtype).
 )doc");
+
+  // The destructor waits for what is still in flight: without the GIL, as every wait here.
+  py::class_<pytorch::PendingAllreduces>(m, "PendingAllreduces",
+                                         py::release_gil_before_calling_cpp_dtor(), R"doc(
+Bucket all-reduces issued one at a time, as their tensors become final, and waited together
+(smp/pytorch/grad_reduce.h). The collectives of one group are matched by order: every rank must
+issue buffers of the same sizes and dtypes in the same order, and as many.
+)doc")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"))
+      .def(
+          "issue",
+          [](pytorch::PendingAllreduces& self, const std::vector<at::Tensor>& tensors,
+             double divisor) {
+            py::gil_scoped_release no_gil;  // see allreduce_mean_ above
+            return self.issue(tensors, divisor);
+          },
+          py::arg("tensors"), py::arg("divisor"),
+          R"doc(Flattens `tensors` (one dtype and device, any strides) into a new buffer and starts
+its SUM all-reduce; returns the buffer's index. The tensors are not changed.)doc")
+      .def(
+          "wait",
+          [](pytorch::PendingAllreduces& self) {
+            py::gil_scoped_release no_gil;
+            return self.wait();
+          },
+          R"doc(Waits for every issued all-reduce (all, also after a failure, then raises the first
+as CollectiveError) and returns the buffers, each divided by its divisor, in issue order.)doc")
+      .def(
+          "drain",
+          [](pytorch::PendingAllreduces& self) {
+            py::gil_scoped_release no_gil;
+            self.drain();
+          },
+          "Waits for every issued all-reduce, ignoring failures, and forgets the buffers.")
+      .def("__len__", &pytorch::PendingAllreduces::size);
 }
 
 }  // namespace smp::python

@@ -14,29 +14,34 @@
 namespace smp::pytorch {
 namespace {
 
-// Rejects, with the tensor's index, shape and dtype, what cannot be reduced in place through a
-// flat buffer. Checked for all tensors before the first collective, so that a mistake fails every
-// rank the same way instead of leaving peers blocked in a collective this rank never issues.
-void check_tensor(const at::Tensor& tensor, size_t index) {
+// Rejects, with the tensor's index, shape and dtype, what cannot be reduced through a flat
+// buffer (`what` names the caller in the message). Checked for all tensors before the first
+// collective, so that a mistake fails every rank the same way instead of leaving peers blocked in
+// a collective this rank never issues. In place (`in_place`), a tensor must also be contiguous.
+void check_tensor(const at::Tensor& tensor, size_t index, const char* what, bool in_place) {
   SMP_CHECK(tensor.defined(),
-            "allreduce_mean_: tensor {} is undefined (a parameter without a gradient?); pass only "
-            "defined tensors",
-            index);
+            "{}: tensor {} is undefined (a parameter without a gradient?); pass only defined "
+            "tensors",
+            what, index);
   SMP_CHECK(tensor.layout() == at::kStrided,
-            "allreduce_mean_: tensor {} (shape {}, dtype {}) has layout {}; only dense tensors are "
-            "supported, call .to_dense() first",
-            index, shape_str(tensor.sizes()), c10::toString(tensor.scalar_type()),
+            "{}: tensor {} (shape {}, dtype {}) has layout {}; only dense tensors are supported, "
+            "call .to_dense() first",
+            what, index, shape_str(tensor.sizes()), c10::toString(tensor.scalar_type()),
             layout_name(tensor.layout()));
-  SMP_CHECK(tensor.is_contiguous(),
-            "allreduce_mean_: tensor {} (shape {}, dtype {}, strides {}) is not contiguous; it is "
-            "reduced in place, so make it contiguous first",
-            index, shape_str(tensor.sizes()), c10::toString(tensor.scalar_type()),
+  SMP_CHECK(!in_place || tensor.is_contiguous(),
+            "{}: tensor {} (shape {}, dtype {}, strides {}) is not contiguous; it is reduced in "
+            "place, so make it contiguous first",
+            what, index, shape_str(tensor.sizes()), c10::toString(tensor.scalar_type()),
             shape_str(tensor.strides()));
   // Integer tensors cannot hold a mean in place (div_ by a double would not type-check).
   SMP_CHECK(at::isFloatingType(tensor.scalar_type()) || at::isComplexType(tensor.scalar_type()),
-            "allreduce_mean_: tensor {} (shape {}, dtype {}) must be floating-point or complex to "
-            "hold a mean in place",
-            index, shape_str(tensor.sizes()), c10::toString(tensor.scalar_type()));
+            "{}: tensor {} (shape {}, dtype {}) must be floating-point or complex to hold a mean",
+            what, index, shape_str(tensor.sizes()), c10::toString(tensor.scalar_type()));
+}
+
+void check_divisor(double divisor, const char* what) {
+  SMP_CHECK(std::isfinite(divisor) && divisor > 0,
+            "{}: divisor must be a finite number > 0, got {:g}", what, divisor);
 }
 
 // Waits on every Work even if some fail, then rethrows the first failure: returning (or throwing)
@@ -64,7 +69,7 @@ void wait_all(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
 std::vector<std::vector<size_t>> plan_grad_buckets(const std::vector<at::Tensor>& tensors,
                                                    int64_t bucket_bytes) {
   SMP_CHECK(bucket_bytes > 0, "allreduce_mean_: bucket_bytes must be > 0, got {}", bucket_bytes);
-  for (size_t i = 0; i < tensors.size(); ++i) check_tensor(tensors[i], i);
+  for (size_t i = 0; i < tensors.size(); ++i) check_tensor(tensors[i], i, "allreduce_mean_", true);
 
   struct OpenBucket {
     std::vector<size_t> indices;
@@ -107,8 +112,7 @@ int64_t allreduce_mean_(const std::vector<at::Tensor>& tensors,
                         const c10::intrusive_ptr<c10d::ProcessGroup>& group, double divisor,
                         int64_t bucket_bytes) {
   SMP_CHECK(group, "allreduce_mean_: group must not be null");
-  SMP_CHECK(std::isfinite(divisor) && divisor > 0,
-            "allreduce_mean_: divisor must be a finite number > 0, got {:g}", divisor);
+  check_divisor(divisor, "allreduce_mean_");
   const std::vector<std::vector<size_t>> buckets = plan_grad_buckets(tensors, bucket_bytes);
   // A communication op, not part of any graph: lets callers pass tensors that require grad.
   at::NoGradGuard no_grad;
@@ -167,6 +171,75 @@ int64_t allreduce_mean_(const std::vector<at::Tensor>& tensors,
     }
   }
   return static_cast<int64_t>(works.size());
+}
+
+PendingAllreduces::PendingAllreduces(c10::intrusive_ptr<c10d::ProcessGroup> group)
+    : group_(std::move(group)) {
+  SMP_CHECK(group_, "PendingAllreduces: group must not be null");
+}
+
+PendingAllreduces::~PendingAllreduces() { drain(); }
+
+size_t PendingAllreduces::issue(const std::vector<at::Tensor>& tensors, double divisor) {
+  constexpr const char* what = "PendingAllreduces.issue";
+  SMP_CHECK(!tensors.empty(), "{}: no tensors to reduce", what);
+  check_divisor(divisor, what);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    check_tensor(tensors[i], i, what, false);
+    SMP_CHECK(tensors[i].scalar_type() == tensors[0].scalar_type() &&
+                  tensors[i].device() == tensors[0].device(),
+              "{}: tensor {} ({} on {}) differs in dtype or device from tensor 0 ({} on {}); one "
+              "buffer holds one dtype on one device",
+              what, i, c10::toString(tensors[i].scalar_type()), tensors[i].device().str(),
+              c10::toString(tensors[0].scalar_type()), tensors[0].device().str());
+  }
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (const auto& tensor : tensors) flat.push_back(tensor.reshape({-1}));
+  // Always a new buffer, also for one contiguous tensor: the caller's tensor may be read or
+  // accumulated into while the collective writes the buffer.
+  at::Tensor buffer = flat.size() == 1 ? flat.front().clone() : at::cat(flat);
+  c10::intrusive_ptr<c10d::Work> work;
+  if (group_->getSize() > 1) {
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    std::vector<at::Tensor> io{buffer};
+    work = group_->allreduce(io, options);
+  }
+  buffers_.push_back(std::move(buffer));
+  divisors_.push_back(divisor);
+  works_.push_back(std::move(work));
+  return buffers_.size() - 1;
+}
+
+std::vector<at::Tensor> PendingAllreduces::wait() {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (auto& work : works_) {
+    if (work) works.push_back(std::move(work));
+  }
+  std::vector<at::Tensor> buffers = std::move(buffers_);
+  std::vector<double> divisors = std::move(divisors_);
+  buffers_.clear();
+  divisors_.clear();
+  works_.clear();
+  wait_all(works);
+  at::NoGradGuard no_grad;
+  for (size_t b = 0; b < buffers.size(); ++b) buffers[b].div_(divisors[b]);
+  return buffers;
+}
+
+void PendingAllreduces::drain() noexcept {
+  for (auto& work : works_) {
+    if (!work) continue;
+    try {
+      work->wait();
+    } catch (...) {  // a reduction given up on: its failure says nothing the caller needs
+    }
+  }
+  buffers_.clear();
+  divisors_.clear();
+  works_.clear();
 }
 
 }  // namespace smp::pytorch

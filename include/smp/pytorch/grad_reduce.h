@@ -34,6 +34,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace smp::pytorch {
@@ -79,5 +80,52 @@ std::vector<std::vector<size_t>> plan_grad_buckets(const std::vector<at::Tensor>
 int64_t allreduce_mean_(const std::vector<at::Tensor>& tensors,
                         const c10::intrusive_ptr<c10d::ProcessGroup>& group, double divisor,
                         int64_t bucket_bytes);
+
+/// Bucket all-reduces issued one at a time, as their tensors become final, and waited together:
+/// the overlapped gradient reduction (smp/reduction.py, design.md §2a). Each `issue` flattens its
+/// tensors into a new buffer (a copy: the tensors may still be read or written by the caller
+/// while the collective runs) and starts one SUM all-reduce of it; `wait` waits for all of them
+/// and returns each buffer divided by the divisor given with it.
+///
+/// The collectives of one group are matched by order: every rank must issue buffers of the same
+/// sizes and dtypes in the same order, and as many. A caller that gives up on a reduction still
+/// issues the rest of its sequence (e.g. zeros) before `drain`, or peers stay blocked.
+///
+/// Example:
+///   PendingAllreduces pending(dp_group);
+///   pending.issue({grad_a, grad_b}, /*divisor=*/2.0);   // from a gradient hook
+///   pending.issue({grad_c}, 2.0);
+///   std::vector<at::Tensor> means = pending.wait();     // [a|b flattened, c], means over dp
+class PendingAllreduces {
+ public:
+  explicit PendingAllreduces(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  PendingAllreduces(const PendingAllreduces&) = delete;
+  PendingAllreduces& operator=(const PendingAllreduces&) = delete;
+  /// Waits for what is still in flight (errors ignored): no collective outlives its buffer.
+  ~PendingAllreduces();
+
+  /// Flattens `tensors` (dense, floating-point or complex, one dtype and device, any strides)
+  /// into one buffer and starts its SUM all-reduce; returns the buffer's index. Nothing is
+  /// communicated on a group of size 1. Throws smp::Error for an empty list, a bad divisor or a
+  /// tensor allreduce_mean_ would reject (except for contiguity), before communicating.
+  size_t issue(const std::vector<at::Tensor>& tensors, double divisor);
+
+  /// Waits for every issued collective (all of them, also after a failure, then rethrows the
+  /// first as CollectiveError), divides each buffer by its divisor and returns the buffers in
+  /// issue order. Afterwards nothing is pending and the object can be reused.
+  std::vector<at::Tensor> wait();
+
+  /// Waits for every issued collective, ignoring failures, and forgets the buffers.
+  void drain() noexcept;
+
+  /// How many buffers were issued since the last wait or drain.
+  size_t size() const { return buffers_.size(); }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::vector<at::Tensor> buffers_;
+  std::vector<double> divisors_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+};
 
 }  // namespace smp::pytorch

@@ -265,5 +265,102 @@ TEST(AllreduceMeanTest, WorkFailureIsRethrown) {
   }
 }
 
+// ---- PendingAllreduces ---------------------------------------------------------------------
+
+// Buffers issued one at a time, as the overlapped gradient reduction issues them: flattened in
+// order (strided inputs too), summed, divided by each one's divisor; the inputs are untouched.
+TEST(PendingAllreducesTest, IssuesFlatCopiesAndWaitsForAll) {
+  auto world = std::make_shared<ThreadWorld>(3);
+  std::vector<Rank> ranks;
+  std::vector<std::vector<at::Tensor>> inputs(3);
+  std::vector<std::vector<at::Tensor>> outputs(3);
+  const auto errors = run_ranks(3, world, ranks, [&](int r, Rank& rank) {
+    inputs[r] = {at::full({2, 3}, r + 1.0).t(), at::full({2}, 10.0 * r),
+                 at::full({3}, 1.0, at::kDouble)};
+    PendingAllreduces pending(rank.group);
+    EXPECT_EQ(pending.issue({inputs[r][0], inputs[r][1]}, 2.0), 0u);
+    EXPECT_EQ(pending.issue({inputs[r][2]}, 3.0), 1u);
+    EXPECT_EQ(pending.size(), 2u);
+    outputs[r] = pending.wait();
+    EXPECT_EQ(pending.size(), 0u);
+  });
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_FALSE(errors[r]) << "rank " << r;
+    EXPECT_EQ(ranks[r].backend->num_allreduce_.load(), 2);
+    ASSERT_EQ(outputs[r].size(), 2u);
+    // (1 + 2 + 3) / 2 = 3 for the first six values, (0 + 10 + 20) / 2 = 15 for the next two.
+    at::Tensor want = at::cat({at::full({6}, 3.0), at::full({2}, 15.0)});
+    EXPECT_TRUE(at::equal(outputs[r][0], want)) << outputs[r][0];
+    EXPECT_TRUE(at::equal(outputs[r][1], at::full({3}, 1.0, at::kDouble)));
+    EXPECT_TRUE(at::equal(inputs[r][2], at::full({3}, 1.0, at::kDouble))) << "input changed";
+  }
+}
+
+TEST(PendingAllreducesTest, WorldSizeOneOnlyDivides) {
+  auto world = std::make_shared<ThreadWorld>(1);
+  Rank rank = make_rank(world, 0, 1);
+  PendingAllreduces pending(rank.group);
+  at::Tensor input = at::full({4}, 6.0);
+  pending.issue({input}, 3.0);
+  const std::vector<at::Tensor> out = pending.wait();
+  EXPECT_TRUE(at::equal(out.at(0), at::full({4}, 2.0)));
+  EXPECT_TRUE(at::equal(input, at::full({4}, 6.0)));
+  EXPECT_EQ(rank.backend->num_allreduce_.load(), 0);
+}
+
+TEST(PendingAllreducesTest, UserMistakesThrowBeforeAnyCollective) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  Rank rank = make_rank(world, 0, 2);  // no peer: an issued collective would never complete
+  PendingAllreduces pending(rank.group);
+  expect_error([&] { pending.issue({}, 2.0); }, {"no tensors"});
+  expect_error([&] { pending.issue({at::ones({2})}, 0.0); }, {"divisor", "got 0"});
+  expect_error(
+      [&] {
+        pending.issue({at::ones({2}), at::ones({5}, at::kLong)}, 2.0);
+      },
+      {"tensor 1", "[5]", "Long", "floating-point"});
+  expect_error(
+      [&] {
+        pending.issue({at::ones({2}), at::ones({2}, at::kDouble)}, 2.0);
+      },
+      {"tensor 1", "Double", "differs in dtype or device"});
+  expect_error([&] { PendingAllreduces null_group(nullptr); }, {"group"});
+  EXPECT_EQ(pending.size(), 0u);
+  EXPECT_EQ(rank.backend->num_allreduce_.load(), 0);
+}
+
+// A failed collective surfaces from wait() after every other one completed; drain() waits without
+// throwing (the path of a step given up on).
+TEST(PendingAllreducesTest, FailureIsRethrownAfterAllCompleteAndDrainSwallowsIt) {
+  for (const bool drain : {false, true}) {
+    auto world = std::make_shared<ThreadWorld>(2);
+    world->fail_complete_at = 0;
+    std::vector<Rank> ranks;
+    std::vector<std::string> messages(2);
+    const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+      PendingAllreduces pending(rank.group);
+      pending.issue({at::ones({4})}, 2.0);
+      pending.issue({at::ones({4})}, 2.0);
+      if (drain) {
+        pending.drain();
+        EXPECT_EQ(pending.size(), 0u);
+        return;
+      }
+      try {
+        pending.wait();
+      } catch (const std::exception& e) {
+        messages[r] = e.what();
+      }
+      EXPECT_EQ(pending.size(), 0u);
+    });
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_FALSE(errors[r]) << "rank " << r;
+      if (!drain) {
+        EXPECT_NE(messages[r].find("injected failure"), std::string::npos) << messages[r];
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace smp::pytorch
