@@ -11,7 +11,8 @@ smp's static ZB-H1, torch; each round also times every stage's forward + backwar
 (all stages at once), from which the round's ideal m/(m+p-1) is computed.
 
 Also reported, per microbatch: the bytes that cross between the stages in smp's step (both
-directions, the transport's tensors) and in torch's (the activations and their gradients).
+directions, the transport's tensors) and in torch's (the activations and their gradients); and
+per step, the CPU time each stage's process spent (every thread), and of it gloo's threads.
 
     .venv/bin/python benchmarks/pipeline_hf_llama.py [--steps 4] [--rounds 3] [--json out.json]
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import sys
 import time
@@ -120,15 +123,53 @@ def _cut() -> tuple[int, dict]:
     return stages.index(1), {"layers": stages, "straddling_layers": straddling}
 
 
-def _bytes_sent(step, batch) -> int:
-    """Bytes of the tensors this rank's pipeline sends to other stages in one step."""
+def _cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds of this process so far, every thread; of them, its gloo threads')."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    gloo = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if not f.read().startswith("gloo"):
+                    continue
+            with open(f"/proc/self/task/{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            gloo += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return usage.ru_utime + usage.ru_stime, gloo
+
+
+def _timed_with_cpu(step, data, warmup: int) -> tuple[float, tuple[float, float]]:
+    """``timed``'s seconds, and (CPU seconds per step of this process, of its gloo threads)
+    over the whole call (the warm-up steps included: the same for every variant)."""
+    before = _cpu_seconds()
+    seconds = timed(step, data, warmup)
+    after = _cpu_seconds()
+    return seconds, tuple((a - b) / len(data) for a, b in zip(after, before))
+
+
+def _traffic(step, batch, paths: list[str]) -> dict[str, list[int]]:
+    """What this rank's pipeline sends to other stages in one step, by message: "REQUEST
+    <module path>" (the module index resolved with ``paths``), "REPLY", "GRAD_OUT", "GRAD_IN",
+    ... -> [bytes of its tensors, messages]."""
+    from smp.pipeline import runtime
     from smp.pipeline.sender import Sender
 
-    sent = [0]
+    kinds = {runtime.REQUEST: "REQUEST", runtime.REPLY: "REPLY", runtime.GRAD_OUT: "GRAD_OUT"}
+    kinds.update({runtime.GRAD_IN: "GRAD_IN", runtime.STEP_END: "STEP_END"})
+    sent: dict[str, list[int]] = {}
     original = Sender.send
 
     def send(self, peer, header, tensors, wait=False):
-        sent[0] += sum(t.numel() * t.element_size() for t in tensors)
+        label = kinds.get(int(header[0]), f"kind {int(header[0])}")
+        if label == "REQUEST":
+            index = int(header[3])
+            label += " " + (paths[index] or "<root>" if index >= 0 else "(FETCH)")
+        entry = sent.setdefault(label, [0, 0])
+        entry[0] += sum(t.numel() * t.element_size() for t in tensors)
+        entry[1] += 1
         return original(self, peer, header, tensors, wait)
 
     Sender.send = send
@@ -136,13 +177,14 @@ def _bytes_sent(step, batch) -> int:
         step(*batch)
     finally:
         Sender.send = original
-    return sent[0]
+    return sent
 
 
 def _worker(rank: int, steps: int, rounds: int, overrides: dict) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     import smp
+    from smp.state import get_state
 
     CONFIG_OVERRIDES.update(overrides)
     warmup = 2
@@ -183,28 +225,38 @@ def _worker(rank: int, steps: int, rounds: int, overrides: dict) -> dict:
         torch_opt.step()
 
     rounds_s: dict[str, list[float]] = {name: [] for name in (*VARIANTS, "torch")}
+    cpu_s: dict[str, list[tuple[float, float]]] = {name: [] for name in rounds_s}
     alone_s: list[float] = []
-    smp_bytes = 0
+    traffic = None
     for _ in range(rounds):
         for name, options in VARIANTS.items():
             step = smp_runner(options)
-            rounds_s[name].append(timed(step, data, warmup))
-            if name == "default" and not smp_bytes:  # one more step, counted
-                smp_bytes = _bytes_sent(step, data[0]) / M
+            seconds, cpu = _timed_with_cpu(step, data, warmup)
+            rounds_s[name].append(seconds)
+            cpu_s[name].append(cpu)
+            if name == "default" and traffic is None:  # one more step, counted
+                runtime = next(iter(get_state().runtimes))
+                traffic = _traffic(step, data[0], runtime.paths)
             smp.shutdown()
-        rounds_s["torch"].append(timed(torch_step, data, warmup))
+        seconds, cpu = _timed_with_cpu(torch_step, data, warmup)
+        rounds_s["torch"].append(seconds)
+        cpu_s["torch"].append(cpu)
         alone_s.append(_stage_alone(stage_module, rank, data[0][0]))
     stages_alone = [None] * P
     dist.all_gather_object(stages_alone, alone_s)
-    all_bytes = [None] * P
-    dist.all_gather_object(all_bytes, smp_bytes)
+    all_traffic = [None] * P
+    dist.all_gather_object(all_traffic, traffic)
+    all_cpu = [None] * P
+    dist.all_gather_object(all_cpu, cpu_s)
     activation = MICRO * SEQ * HIDDEN * 4  # what crosses in torch's step, each way
     return {
         "cut": cut,
         "placement": placement,
         "rounds_seconds": rounds_s,
         "stages_alone_s": [list(r) for r in zip(*stages_alone)],  # [round][stage]
-        "smp_bytes_per_microbatch": sum(all_bytes),
+        "smp_bytes_per_microbatch": sum(b for t in all_traffic for b, _ in t.values()) / M,
+        "smp_traffic_per_step": all_traffic,  # [stage] -> message label -> [bytes, messages]
+        "cpu_seconds_per_step": all_cpu,  # [stage][variant] -> per round (process, gloo)
         "torch_bytes_per_microbatch": 2 * activation,
     }
 
@@ -264,6 +316,22 @@ def main() -> None:
     smp_mib = r["smp_bytes_per_microbatch"] / 2**20
     torch_mib = r["torch_bytes_per_microbatch"] / 2**20
     print(f"bytes between the stages per microbatch: smp {smp_mib:.2f}, torch {torch_mib:.2f} MiB")
+    print("smp's messages per microbatch, by stage and kind (requests by module): KiB, count")
+    for stage, traffic in enumerate(r["smp_traffic_per_step"]):
+        rows = sorted(traffic.items(), key=lambda kv: -kv[1][0])
+        print(f"  stage {stage}: " + ", ".join(
+            f"{label} {b / M / 1024:.0f} KiB x {n / M:g}" for label, (b, n) in rows
+        ))  # fmt: skip
+    print("CPU seconds per step, medians of the rounds: stage 0 + stage 1 = both (of it gloo's)")
+    for name in ("torch", *VARIANTS):
+        per_stage = [
+            [median(c[0] for c in stage[name]), median(c[1] for c in stage[name])]
+            for stage in r["cpu_seconds_per_step"]
+        ]
+        parts = " + ".join(f"{cpu:.3f}" for cpu, _ in per_stage)
+        total = sum(cpu for cpu, _ in per_stage)
+        gloo = sum(g for _, g in per_stage)
+        print(f"{LABELS[name]:36s}{parts} = {total:.3f} ({gloo:.3f})")
     if args.json:
         r.update(ideal=ideal, of_ideal=of_ideal, x_torch=x_torch)
         args.json.write_text(json.dumps(r, indent=2))
