@@ -183,7 +183,7 @@ def _hf_model(kind: str):
     return tiny_hf_model(kind, 64, SEQ, **overrides), blocks
 
 
-def _hf_worker(kind, tp, microbatches, pp=1):
+def _hf_worker(kind, tp, microbatches, pp=1, bucket_cap_mb=25):
     import smp
 
     smp.init(
@@ -194,7 +194,7 @@ def _hf_worker(kind, tp, microbatches, pp=1):
     model = copy.deepcopy(reference)
     for block in model.get_submodule(blocks):
         smp.set_tensor_parallelism(block)
-    model = smp.DistributedModel(model)
+    model = smp.DistributedModel(model, bucket_cap_mb=bucket_cap_mb)
     assert len(model.distributed_modules) == 2, model.distributed_modules
     first = model.module.get_submodule(blocks)[0]
     assert type(first).__name__.startswith("TP"), type(first)
@@ -210,6 +210,10 @@ def _hf_worker(kind, tp, microbatches, pp=1):
 
     losses = _run_parity(smp, model, reference, loss_of, 64, TOL32, microbatches, False)
     stages = [model.partition_plan.assignment[f"{blocks}.{i}"] for i in range(2)]
+    if bucket_cap_mb < 1:  # the dp and rdp reductions went out during the backward (§2a)
+        groups = {b.group for b in model._reduction.buckets}
+        assert groups == {"dp", "rdp"}, groups
+        assert model._reduction.issued_early == len(model._reduction.buckets) > 10
     return {"losses": losses, "block_stages": stages}
 
 
@@ -223,6 +227,14 @@ def test_hugging_face_parity(pools, kind):
 def test_hugging_face_tp2_dp2(pools):
     pytest.importorskip("transformers")
     results = pools.run(4, _hf_worker, "gpt2", 2, 2)
+    assert all(r == results[0] for r in results)
+
+
+def test_hugging_face_tp2_dp2_reduced_during_backward(pools):
+    """Small buckets: both reduction groups (dp for replicated parameters, rdp for shards) issue
+    their buckets from the gradient hooks, and the result is still exact."""
+    pytest.importorskip("transformers")
+    results = pools.run(4, _hf_worker, "llama", 2, 2, 1, 4 / 1024)
     assert all(r == results[0] for r in results)
 
 
