@@ -44,6 +44,11 @@ class _Bucket:
         self.issued = False
         self.marks: list[tuple[torch.Tensor, int]] = []  # the gradients issued, their versions
 
+    @property
+    def complete(self) -> bool:
+        """Every parameter's gradient is final in this backward."""
+        return len(self.ready) == len(self.params)
+
 
 class GradReduction:
     """The fixed bucket plan of ``params`` and the reduction of one step at a time.
@@ -141,14 +146,12 @@ class GradReduction:
             self._stale = True
             return
         bucket.ready.add(id(p))
-        if len(bucket.ready) == len(bucket.params):
+        if bucket.complete:
             self._issue_ready(bucket.group)
 
     def _issue_ready(self, group: str) -> None:
         order = self._order[group]
-        while self._next[group] < len(order) and len(order[self._next[group]].ready) == len(
-            order[self._next[group]].params
-        ):
+        while self._next[group] < len(order) and order[self._next[group]].complete:
             self._issue(order[self._next[group]])
 
     def _issue(self, bucket: _Bucket) -> None:
