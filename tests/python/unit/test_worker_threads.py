@@ -13,12 +13,14 @@ class _FakeWorker:
 
     def __init__(self):
         self.release = threading.Event()
+        self.running = threading.Event()  # run() has begun: `thread` is set
         self.parked = threading.Event()
         self.started = False
         self.thread: threading.Thread | None = None
 
     def run(self, park) -> None:
         self.thread = threading.current_thread()
+        self.running.set()
         assert self.release.wait(30)
         park()
         self.parked.set()
@@ -36,6 +38,7 @@ def test_threads_are_reused_and_all_end_on_close_even_busy_ones():
     busy = _FakeWorker()
     threads.run(busy)  # takes the parked thread: no new one
     assert threads.count == 1
+    assert busy.running.wait(30)  # run() returns once the worker is queued, not started
     parked = _FakeWorker()
     threads.run(parked)  # a second thread: the first one is busy
     parked.finish()
