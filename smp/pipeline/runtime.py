@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
@@ -234,9 +234,37 @@ def _resolve_module_args(module, args):
     worker = getattr(_current, "worker", None)
     if worker is not None and id(module) in worker.runtime.slice_before:
         worker.maybe_slice()
-    if any(isinstance(a, (_Future, list, tuple, Mapping)) for a in args):
-        return _resolve_tree(args)
+    if any(isinstance(a, (_Future, list, tuple, MutableMapping)) for a in args):
+        resolved = _resolve_in_place(args, set())
+        return None if resolved is args else resolved
     return None
+
+
+def _resolve_in_place(value, seen: set):
+    """``value`` with every future replaced by its value. Lists and dicts change in place and
+    stay the caller's objects (a module may append to a list it is given, as in one process);
+    tuples are rebuilt only where they held a future; other objects are kept."""
+    if isinstance(value, _Future):
+        return value._smp_value()
+    if isinstance(value, (list, MutableMapping, tuple)):
+        if id(value) in seen:
+            return value
+        seen.add(id(value))
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            new = _resolve_in_place(item, seen)
+            if new is not item:
+                value[i] = new
+    elif isinstance(value, MutableMapping):
+        for key, item in list(value.items()):
+            new = _resolve_in_place(item, seen)
+            if new is not item:
+                value[key] = new
+    elif isinstance(value, tuple):
+        items = [_resolve_in_place(item, seen) for item in value]
+        if any(new is not old for new, old in zip(items, value)):
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
 
 
 def _resolve(value):

@@ -588,3 +588,60 @@ def test_weight_gradients_apart_are_exact_and_fail_cleanly(pools, deferred):
         assert "weight gradient failed on purpose" in result[2], result[2]
         if rank == 0:  # the failing stage raises its own error; the others name where it was
             assert "stage 1, microbatch 3, module 'b1'" in result[2], result[2]
+
+
+class MemoBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, h, scale, memo):
+        y = torch.tanh(self.fc(h + memo[-1])) + scale  # (an add saves no operand)
+        memo.append(y)  # a changed argument: the caller's list gets it
+        return y
+
+
+class Memo(nn.Module):
+    """Every block on stage 1 takes the same ``h`` (requires grad), the same ``scale`` (does
+    not) and a list that each block appends to. Variant 1 changes ``scale`` in place before
+    block 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.blocks = nn.ModuleList(MemoBlock() for _ in range(4))
+        self.variant = 0
+
+    def forward(self, x):
+        h = self.a(x)
+        scale = torch.sigmoid(x.detach()).repeat(1, 2)
+        memo = [torch.tanh(h)]
+        out = h
+        for i, block in enumerate(self.blocks):
+            if self.variant == 1 and i == 2:
+                with torch.no_grad():
+                    scale.mul_(0.5)
+            out = block(h, scale, memo)
+        return self.head(out + memo[0] + memo[2])
+
+
+def _memo_worker(root: int):
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
+
+    def place(module):
+        smp.set_partition(module, root)
+        for name, stage in [("a", 0), ("head", 0), ("blocks", 1)]:
+            smp.set_partition(getattr(module, name), stage)
+
+    exact_steps(smp, Memo, place, [0, 1, 0], 5, 2, lambda *_: None, lambda step: None)
+
+
+@pytest.mark.parametrize("root", [0, 1])
+def test_local_modules_change_the_lists_they_are_given(pools, root):
+    """With the root on stage 1, the blocks are local to it and get the list itself, futures
+    in it resolved in place: before, any list holding a tensor reached a local module as a
+    copy during a pipelined step, and what the module appended was lost. With the root on
+    stage 0, the list crosses and comes back changed."""
+    pools.run(2, _memo_worker, root)
