@@ -186,6 +186,10 @@ def _worker(rank: int, steps: int, rounds: int, overrides: dict) -> dict:
     import smp
     from smp.state import get_state
 
+    if overrides.pop("resend", False):  # --resend: every request carries all its tensors
+        from smp.pipeline.runtime import PipelineRuntime
+
+        PipelineRuntime.send_once = False
     CONFIG_OVERRIDES.update(overrides)
     warmup = 2
     data = _data(steps + warmup)
@@ -289,8 +293,16 @@ def main() -> None:
         action="store_true",
         help="use_cache=False (the default config keeps HF's use_cache=True, as users leave it)",
     )
+    parser.add_argument(
+        "--resend",
+        action="store_true",
+        help="send a tensor again with every request that takes it (before tensors were sent "
+        "once per microbatch and owner, design.md §4i)",
+    )
     args = parser.parse_args()
     overrides = {"use_cache": False} if args.no_cache else {}
+    if args.resend:
+        overrides["resend"] = True
     r = run_ranks(_worker, P, args.steps, args.rounds, overrides)
     samples = args.steps * BATCH
     rounds = r["rounds_seconds"]

@@ -18,8 +18,9 @@ file), fails with a ``TypeError`` naming its type.
 
 ``pack`` may be given a ``resolve`` hook that sees every tensor first: it returns the tensor to
 send, a :class:`Ref` when the receiver already holds the value (an output of an earlier call it
-served), or a :class:`Sent` when the tensor is one the receiver sent in the request being
-answered (used for arguments a module modified, whose unchanged tensors need not travel back).
+served, or a tensor an earlier request brought it), or a :class:`Sent` when the tensor is one
+the receiver sent in the request being answered (used for arguments a module modified, whose
+unchanged tensors need not travel back).
 A Ref keeps its slot in the skeleton but sends no payload; a Sent takes no slot.
 :func:`structure` is the skeleton without the slots' ``requires_grad`` flags, as bytes: two
 values with equal structures differ only in their tensors.
@@ -74,11 +75,17 @@ class TensorSlot:
 class Ref:
     """A tensor the sender does not send: output ``slot`` of its call ``call_id``, which the
     receiver served (``stage`` −1) or which pipeline stage ``stage`` served (the receiver fetches
-    it from there)."""
+    it from there); with ``stage`` :data:`INPUT`, request slot ``slot`` of the receiver's served
+    call ``call_id``: a tensor the sender sent before, unchanged since. ``requires_grad`` is the
+    slot's flag (an output's is decided by its producer, so False there)."""
 
     call_id: int
     slot: int
     stage: int = -1
+    requires_grad: bool = False
+
+
+INPUT = -2  # Ref.stage of a tensor the receiver got in an earlier request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +134,7 @@ class _Pickler(pickle.Pickler):
                     return obj
                 if isinstance(obj, Ref):
                     self.tensors.append(obj)
-                    self.flags.append(False)
+                    self.flags.append(obj.requires_grad)
                     return len(self.tensors) - 1
             self.tensors.append(obj)
             self.flags.append(obj.requires_grad)

@@ -188,6 +188,22 @@ _REMOTE_OPS = frozenset(
 )
 
 
+# Note [Tensors sent once]
+# A Hugging Face decoder's root passes one DynamicCache to every layer; each call to a layer on
+# another stage carried the keys and values of every earlier layer again (1.3 MiB per call by
+# layer 7 of the benchmark's Llama), and the rotary cos/sin and the mask went with every call
+# too. A stage now remembers, per owner and microbatch, each tensor its requests sent (the
+# tensor itself, its version counter, call id and slot). The same tensor, unchanged since
+# (same object, same version), travels to that owner again as a Ref to the earlier request's
+# slot (messages.INPUT) and no bytes. The owner keeps each served call's request tensors until
+# the step ends (as it kept their leaves) and gives the new call its own leaf over the same
+# data: the gradient of that leaf goes back with the new call's GRAD_IN, as if the tensor had
+# been sent again, so nothing about backward changes. Only within a microbatch: requests of
+# one microbatch are served in the order they were sent (as for output references), those of
+# different microbatches may not be. A served module that changes such an input in place
+# under no_grad changes what a later call of the same stage sees, as one process would.
+
+
 class _RemoteOps(nn.Module):
     """Runs an op on this stage for another stage's call (Note [Ops on futures run where the
     value is]): one per stage, outside the model."""
@@ -359,6 +375,7 @@ class _Worker:
         self.input_leaves: list[tuple[int, torch.Tensor]] = []  # served: (slot, leaf)
         self.out_tensors: list[torch.Tensor] = []  # served: every output tensor, slot order
         self.sent_ids: dict[int, int] = {}  # served: id of a request tensor -> its slot
+        self.received: dict[int, torch.Tensor] = {}  # served: request slot -> tensor it brought
         self.out_grads_acc: dict[int, torch.Tensor] = {}  # served: output slot -> gradient
         self.awaiting = 0  # served: gradient deliveries missing (GRAD_OUT, consumers' shares)
         # grad mode: the step thread's (served: and the caller's, from REQUEST)
@@ -414,7 +431,7 @@ class _Worker:
         self.target = self.result = self.error = self.waiting = self.skeleton = None
         self.calls, self.boundary, self.pending, self.leaf_grads = [], {}, [], {}
         self.input_leaves, self.out_tensors, self.out_grads_acc = [], [], {}
-        self.sent_ids = {}
+        self.sent_ids, self.received = {}, {}
         self.fetches, self.ref_inputs, self.ref_leaves, self.peer_inputs = [], [], [], []
         self.deferred = []
 
@@ -641,6 +658,9 @@ class _Held:
 class PipelineRuntime:
     """Runs steps of a partitioned model; one per DistributedModel with pp > 1."""
 
+    # A tensor goes to an owner once per microbatch (Note [Tensors sent once]).
+    send_once = True
+
     def __init__(
         self,
         state: State,
@@ -837,6 +857,10 @@ class PipelineRuntime:
         call_id = next(self._call_ids)
 
         originals: list = []  # what the reply's Sent markers name (the caller's own tensors)
+        # Tensors this stage sent the owner before in this microbatch, unchanged since: the
+        # owner still holds them (Note [Tensors sent once]).
+        held = self.sent_inputs.setdefault((owner, worker.microbatch), {})
+        again: dict[int, torch.Tensor] = {}  # slot -> such a tensor, sent as a reference
 
         def resolve(tensor):
             originals.append(tensor)
@@ -847,15 +871,33 @@ class PipelineRuntime:
                         return messages.Ref(call.call_id, tensor._smp_slot)
                     if self.forward_direct and call.values is None:
                         return messages.Ref(call.call_id, tensor._smp_slot, call.owner)
-                return tensor._smp_value()
+                tensor = tensor._smp_value()
+            before = held.get(id(tensor)) if self.send_once else None
+            if before is not None and before[0] is tensor and before[1] == tensor._version:
+                again[len(originals) - 1] = tensor
+                return messages.Ref(before[2], before[3], messages.INPUT, tensor.requires_grad)
             return tensor
 
         skeleton, tensors = messages.pack((args, kwargs), resolve, self.module_ids)
         refs = [(i, t) for i, t in enumerate(tensors) if isinstance(t, messages.Ref)]
         real = [t for t in tensors if not isinstance(t, messages.Ref)]
+        if self.send_once:
+            for i, t in enumerate(tensors):
+                if not isinstance(t, messages.Ref):
+                    held[id(t)] = (t, t._version, call_id, i)
         mode = CallMode.current()
         grad = mode.grad
-        sent = [t for t in real if t.requires_grad] if grad else []
+        # The owner's input leaves, in slot order: what it sends and what it already holds.
+        inputs = (
+            [
+                again.get(i, t)
+                for i, t in enumerate(tensors)
+                if not isinstance(t, messages.Ref) or i in again
+            ]
+            if again
+            else real
+        )
+        sent = [t for t in inputs if t.requires_grad] if grad else []
         path = self.paths[index] or "<root>"
         call = _Call(call_id, owner, worker, grad, sent, [segments.edge_of(t) for t in sent], path)
         worker.calls.append(call)
@@ -1009,6 +1051,9 @@ class PipelineRuntime:
         self.weights_run = 0  # weight halves run as their own task this step
         self.served_calls: dict[tuple[int, int], _Worker] = {}  # (caller stage, call id)
         self.early_fetches: dict[tuple[int, int], list] = {}  # (caller stage, call id) -> FETCHes
+        # (owner, microbatch) -> id -> (tensor, its version, call id, slot): what this stage's
+        # requests brought each owner (Note [Tensors sent once])
+        self.sent_inputs: dict[tuple[int, int], dict[int, tuple]] = {}
         self.step_workers: dict[int, _Worker] = {}  # microbatch -> leader worker
         self.backward_calls = 0
         self.done_mb: set[int] = set()
@@ -1089,6 +1134,7 @@ class PipelineRuntime:
             self.weight_tasks,
             self.served_calls,
             self.early_fetches,
+            self.sent_inputs,
         ):
             table.clear()
 
@@ -1409,7 +1455,8 @@ class PipelineRuntime:
         values: list[Any] = []
         slots = messages.slots(skeleton)
         for slot in slots:
-            if slot.index in refs and refs[slot.index][0] >= 0:  # computed on a third stage
+            ref = refs.get(slot.index)
+            if ref is not None and ref[0] >= 0:  # computed on a third stage
                 stage, ref_call_id, out_slot = refs[slot.index]
                 fetch_id = next(self._call_ids)
                 fetch = _PeerFetch(worker, len(values), stage, fetch_id, out_slot, values)
@@ -1419,7 +1466,7 @@ class PipelineRuntime:
                 worker.peer_inputs.append(fetch)
                 worker.fetches_due += 1
                 values.append(None)
-            elif slot.index in refs:
+            elif ref is not None and ref[0] != messages.INPUT:
                 producer = self.served_calls[(peer, refs[slot.index][1])]
                 if producer.backward_started:
                     raise RuntimeError(
@@ -1430,7 +1477,19 @@ class PipelineRuntime:
                 if worker.grad:
                     producer.awaiting += 1
                 values.append(None)  # filled when the worker starts (the producer may be busy)
+            elif ref is not None:  # a tensor an earlier request brought (messages.INPUT)
+                _, ref_call_id, in_slot = ref
+                producer = self.served_calls.get((peer, ref_call_id))
+                if producer is None or in_slot not in producer.received:
+                    raise RuntimeError(
+                        f"smp: a request for '{worker.module_path}' (microbatch {mb}) names "
+                        f"slot {in_slot} of call {ref_call_id} from stage {peer}, which this "
+                        "stage does not hold"
+                    )
+                # Its own leaf over the same data: the gradient goes back with this call's.
+                values.append(producer.received[in_slot].detach())
             else:
+                worker.received[slot.index] = payload[0]
                 values.append(payload.pop(0))
         worker.input_leaves = []
         for slot, tensor in zip(slots, values):

@@ -603,8 +603,9 @@ class MemoBlock(nn.Module):
 
 class Memo(nn.Module):
     """Every block on stage 1 takes the same ``h`` (requires grad), the same ``scale`` (does
-    not) and a list that each block appends to. Variant 1 changes ``scale`` in place before
-    block 2."""
+    not) and a list that each block appends to, as a Hugging Face decoder's layers take one
+    rotary embedding and one cache. Variant 1 changes ``scale`` in place before block 2, so
+    it must travel again."""
 
     def __init__(self):
         super().__init__()
@@ -625,17 +626,62 @@ class Memo(nn.Module):
         return self.head(out + memo[0] + memo[2])
 
 
-def _memo_worker(root: int):
+def _memo_worker(send_once: bool, root: int = 0):
     import smp
+    from smp.pipeline import messages, runtime
+    from smp.pipeline.sender import Sender
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
+    runtime.PipelineRuntime.send_once = send_once
+    counts = {"again": 0, "payload": 0}
+    send = Sender.send
+
+    def counting_send(self, peer, header, tensors, wait=False):
+        if header[0] == runtime.REQUEST and header[3] != runtime._FETCH:
+            refs = header[7 : 7 + 4 * header[6]]
+            counts["again"] += sum(1 for stage in refs[1::4] if stage == messages.INPUT)
+            counts["payload"] += len(tensors) - 1  # the skeleton aside
+        return send(self, peer, header, tensors, wait)
 
     def place(module):
         smp.set_partition(module, root)
         for name, stage in [("a", 0), ("head", 0), ("blocks", 1)]:
             smp.set_partition(getattr(module, name), stage)
 
-    exact_steps(smp, Memo, place, [0, 1, 0], 5, 2, lambda *_: None, lambda step: None)
+    def after_step(step):
+        out = dict(counts)
+        counts.update(again=0, payload=0)
+        return out
+
+    Sender.send = counting_send
+    try:
+        return exact_steps(smp, Memo, place, [0, 1, 0], 5, 2, lambda *_: None, after_step)
+    finally:
+        Sender.send = send
+        runtime.PipelineRuntime.send_once = True
+
+
+@pytest.mark.parametrize("send_once", [True, False])
+def test_tensors_sent_before_go_as_references_and_stay_exact(pools, send_once):
+    """A tensor a stage sent an owner before in the microbatch, unchanged since, goes to it
+    again as a reference (Note [Tensors sent once]): the blocks' shared ``h``, ``scale`` and
+    the list's first tensor travel once per microbatch, with every gradient exact (``h``'s
+    reaches it from every block), and ``scale`` travels again once changed in place."""
+    leader = pools.run(2, _memo_worker, send_once)[0]
+    m = 2
+    # Step 0's calls wait for their outputs (no structure is known yet), so the tensors the
+    # blocks append come back and go out again (sent once, referred to after).
+    if send_once:
+        # From step 1, block 0 sends h, scale and memo[0]; blocks 1-3 name them (the tensors
+        # appended on stage 1 are its outputs, references already).
+        assert leader[1:] == [
+            {"again": 8 * m, "payload": 4 * m},  # scale again for block 2
+            {"again": 9 * m, "payload": 3 * m},
+        ], leader
+        assert leader[0]["again"] > 9 * m, leader
+    else:
+        assert [r["again"] for r in leader] == [0, 0, 0], leader
+        assert [r["payload"] for r in leader[1:]] == [12 * m, 12 * m], leader
 
 
 @pytest.mark.parametrize("root", [0, 1])
@@ -644,4 +690,4 @@ def test_local_modules_change_the_lists_they_are_given(pools, root):
     in it resolved in place: before, any list holding a tensor reached a local module as a
     copy during a pipelined step, and what the module appended was lost. With the root on
     stage 0, the list crosses and comes back changed."""
-    pools.run(2, _memo_worker, root)
+    pools.run(2, _memo_worker, True, root)
