@@ -192,8 +192,8 @@ _REMOTE_OPS = frozenset(
 # A Hugging Face decoder's root passes one DynamicCache to every layer; each call to a layer on
 # another stage carried the keys and values of every earlier layer again (1.3 MiB per call by
 # layer 7 of the benchmark's Llama), and the rotary cos/sin and the mask went with every call
-# too. A stage now remembers, per owner and microbatch, each tensor its requests sent (the
-# tensor itself, its version counter, call id and slot). The same tensor, unchanged since
+# too. A stage now remembers, per owner and microbatch, each tensor its requests sent (a weak
+# reference to it, its version counter, call id and slot). The same tensor, unchanged since
 # (same object, same version), travels to that owner again as a Ref to the earlier request's
 # slot (messages.INPUT) and no bytes. The owner keeps each served call's request tensors until
 # the step ends (as it kept their leaves) and gives the new call its own leaf over the same
@@ -873,7 +873,7 @@ class PipelineRuntime:
                         return messages.Ref(call.call_id, tensor._smp_slot, call.owner)
                 tensor = tensor._smp_value()
             before = held.get(id(tensor)) if self.send_once else None
-            if before is not None and before[0] is tensor and before[1] == tensor._version:
+            if before is not None and before[0]() is tensor and before[1] == tensor._version:
                 again[len(originals) - 1] = tensor
                 return messages.Ref(before[2], before[3], messages.INPUT, tensor.requires_grad)
             return tensor
@@ -884,7 +884,7 @@ class PipelineRuntime:
         if self.send_once:
             for i, t in enumerate(tensors):
                 if not isinstance(t, messages.Ref):
-                    held[id(t)] = (t, t._version, call_id, i)
+                    held[id(t)] = (weakref.ref(t), t._version, call_id, i)
         mode = CallMode.current()
         grad = mode.grad
         # The owner's input leaves, in slot order: what it sends and what it already holds.
@@ -1051,8 +1051,9 @@ class PipelineRuntime:
         self.weights_run = 0  # weight halves run as their own task this step
         self.served_calls: dict[tuple[int, int], _Worker] = {}  # (caller stage, call id)
         self.early_fetches: dict[tuple[int, int], list] = {}  # (caller stage, call id) -> FETCHes
-        # (owner, microbatch) -> id -> (tensor, its version, call id, slot): what this stage's
-        # requests brought each owner (Note [Tensors sent once])
+        # (owner, microbatch) -> id -> (weak reference to the tensor, its version, call id,
+        # slot): what this stage's requests brought each owner (Note [Tensors sent once]). Weak:
+        # remembering a tensor must not keep it alive past its last use.
         self.sent_inputs: dict[tuple[int, int], dict[int, tuple]] = {}
         self.step_workers: dict[int, _Worker] = {}  # microbatch -> leader worker
         self.backward_calls = 0
