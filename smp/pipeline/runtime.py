@@ -888,15 +888,11 @@ class PipelineRuntime:
         mode = CallMode.current()
         grad = mode.grad
         # The owner's input leaves, in slot order: what it sends and what it already holds.
-        inputs = (
-            [
-                again.get(i, t)
-                for i, t in enumerate(tensors)
-                if not isinstance(t, messages.Ref) or i in again
-            ]
-            if again
-            else real
-        )
+        inputs = [
+            again.get(i, t)
+            for i, t in enumerate(tensors)
+            if i in again or not isinstance(t, messages.Ref)
+        ]
         sent = [t for t in inputs if t.requires_grad] if grad else []
         path = self.paths[index] or "<root>"
         call = _Call(call_id, owner, worker, grad, sent, [segments.edge_of(t) for t in sent], path)
@@ -1458,7 +1454,7 @@ class PipelineRuntime:
         for slot in slots:
             ref = refs.get(slot.index)
             if ref is not None and ref[0] >= 0:  # computed on a third stage
-                stage, ref_call_id, out_slot = refs[slot.index]
+                stage, ref_call_id, out_slot = ref
                 fetch_id = next(self._call_ids)
                 fetch = _PeerFetch(worker, len(values), stage, fetch_id, out_slot, values)
                 self._expect_reply(fetch, fetch_id, mb)
@@ -1468,13 +1464,13 @@ class PipelineRuntime:
                 worker.fetches_due += 1
                 values.append(None)
             elif ref is not None and ref[0] != messages.INPUT:
-                producer = self.served_calls[(peer, refs[slot.index][1])]
+                producer = self.served_calls[(peer, ref[1])]
                 if producer.backward_started:
                     raise RuntimeError(
                         f"smp: an output of module '{producer.module_path}' was passed to "
                         f"'{worker.module_path}' after the backward of its microbatch began"
                     )
-                worker.ref_inputs.append((len(values), producer, refs[slot.index][2]))
+                worker.ref_inputs.append((len(values), producer, ref[2]))
                 if worker.grad:
                     producer.awaiting += 1
                 values.append(None)  # filled when the worker starts (the producer may be busy)
