@@ -119,6 +119,21 @@ Raises:
     TransportError: the backend failed or the peer did not take the message within timeout_s.
 )doc")
       .def(
+          "send_batch",
+          [](Transport& self, int peer, const std::vector<Transport::OutgoingMessage>& messages) {
+            py::gil_scoped_release no_gil;
+            self.send_batch(peer, messages);
+          },
+          py::arg("peer"), py::arg("messages"),
+          R"doc(Sends `messages`, a list of (header, tensors), to `peer` in order, as that many
+send() calls would, packed into as few wire messages as fit; the peer's recv() returns them one
+by one. Returns once the peer has taken every part.
+
+Raises:
+    ValueError: as send(), for any of the messages, before anything is sent.
+    TransportError: as send().
+)doc")
+      .def(
           "recv",
           [](Transport& self, double timeout_s) -> py::object {
             const auto timeout = to_millis(timeout_s, "timeout_s", true);

@@ -22,7 +22,8 @@ namespace smp::pytorch {
 // Note [Wire header]
 // A message starts with one int64 tensor of Transport::kHeaderSlots entries:
 //   [0]  kMagic      catches a peer that speaks something else on this (group, tag)
-//   [1]  kind        kData, or kEnd (the peer's finish(): its last message of the step)
+//   [1]  kind        kData, kBatch (several messages: Note [Batches]), or kEnd (the peer's
+//                    finish(): its last message of the step)
 //   [2]  seq         index of the message on its channel since start(), END included
 //   [3]  H           number of header ints
 //   [4]  N           number of tensors
@@ -68,6 +69,7 @@ namespace {
 constexpr int64_t kMagic = 0x736d7074726e7331;  // "smptrns1"
 constexpr int64_t kData = 0;
 constexpr int64_t kEnd = 1;
+constexpr int64_t kBatch = 2;
 constexpr int64_t kFixedSlots = 5;
 // Flags added to a tensor's dtype code (see Note [Wire header]).
 constexpr int64_t kInline = int64_t{1} << 32;       // its bytes are in the header
@@ -113,7 +115,7 @@ struct Channel {
   // Works in flight, so that abort() can wake whoever waits on them.
   std::mutex work_mutex;
   bool stop = false;                                          // guarded by work_mutex
-  c10::intrusive_ptr<c10d::Work> pending_recv;                // guarded by work_mutex
+  std::vector<c10::intrusive_ptr<c10d::Work>> pending_recvs;  // guarded by work_mutex
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_sends;  // guarded by work_mutex
 
   // Receiving side; `open` and `done` are guarded by TransportState::mutex.
@@ -180,51 +182,84 @@ TransportError error_for(const TransportState& s, int peer, const std::string& m
   return TransportError(fmt::format(FMT_STRING("{}: {}"), s.where(), message), {peer});
 }
 
-// Posts one receive of `buffer` from the channel's peer and waits for it, up to `timeout`.
-// Returns false if the transport was aborted; throws TransportError naming the peer on a backend
-// failure.
+// Posts the receives of `buffers` from the channel's peer, all at once and in order, and waits
+// for them, up to `timeout` in total. Returns false if the transport was aborted; throws
+// TransportError naming the peer and the part (`names[i]`) on a backend failure.
+// All at once because gloo's unbound-buffer protocol moves a part's bytes only once the receive
+// for it is posted (the sender announces the send, the receiver answers "ready", then the bytes
+// flow): a message's parts received one after the other would pay that round trip, and a
+// wake-up of this thread, per part.
 // A device part (`on_stream`) is waited on the receiver thread's current stream instead: the
-// host does not block (Note [Payload routes]).
-bool receive_part(TransportState& s, Channel& c, const Part& buffer,
-                  std::chrono::milliseconds timeout, const std::string& part) {
-  c10::intrusive_ptr<c10d::Work> work;
+// host does not block (Note [Payload routes]). After abort() only device parts are still posted
+// (Note [Device payloads are always matched]).
+bool receive_parts(TransportState& s, Channel& c, const std::vector<Part>& buffers,
+                   std::chrono::milliseconds timeout, const std::vector<std::string>& names) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
   {
     std::lock_guard<std::mutex> lock(c.work_mutex);
-    // Device parts are posted even after abort(): Note [Device payloads are always matched].
-    if (c.stop && !buffer.on_stream) return false;
-    std::vector<at::Tensor> buffers{buffer.bytes};
-    try {
-      work = buffer.group->recv(buffers, c.peer, s.tag);
-    } catch (...) {
-      throw error_for(s, c.peer,
-                      fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"), part, c.peer,
-                                  what(std::current_exception())));
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (c.stop && !buffers[i].on_stream) {
+        works.emplace_back();  // not posted
+        continue;
+      }
+      std::vector<at::Tensor> one{buffers[i].bytes};
+      try {
+        works.push_back(buffers[i].group->recv(one, c.peer, s.tag));
+      } catch (...) {
+        throw error_for(s, c.peer,
+                        fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"), names[i],
+                                    c.peer, what(std::current_exception())));
+      }
+      c.pending_recvs.push_back(works.back());
     }
-    c.pending_recv = work;
   }
-  bool completed = false;
+  const auto deadline = std::chrono::steady_clock::now() + clamp_wait(timeout);
   std::exception_ptr error;
-  try {
-    completed = buffer.on_stream ? work->wait() : work->wait(timeout);
-  } catch (...) {
-    error = std::current_exception();
+  size_t failed = 0;  // the first part that did not arrive
+  bool completed = true;
+  for (size_t i = 0; i < works.size(); ++i) {
+    const bool fine = completed && !error;
+    if (!works[i] || (!fine && !buffers[i].on_stream)) {
+      // Not posted (abort() came first), or an earlier part failed: host parts are not waited
+      // on any more. Posted device parts still are, on the stream, which never blocks the host.
+      if (fine) {
+        completed = false;
+        failed = i;
+      }
+      continue;
+    }
+    // At least 1 ms: a wait of 0 ms means "no timeout" to c10d.
+    const auto left = std::max(std::chrono::milliseconds(1),
+                               std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   deadline - std::chrono::steady_clock::now()));
+    try {
+      if (!(buffers[i].on_stream ? works[i]->wait() : works[i]->wait(left)) && fine) {
+        completed = false;
+        failed = i;
+      }
+    } catch (...) {
+      if (fine) {
+        error = std::current_exception();
+        failed = i;
+      }
+    }
   }
   bool stopped = false;
   {
     std::lock_guard<std::mutex> lock(c.work_mutex);
-    c.pending_recv.reset();
+    c.pending_recvs.clear();
     stopped = c.stop;
   }
   if (stopped) return false;  // abort() woke us; whatever the wait says is a consequence
   if (error) {
-    throw error_for(
-        s, c.peer,
-        fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"), part, c.peer, what(error)));
+    throw error_for(s, c.peer,
+                    fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"), names[failed],
+                                c.peer, what(error)));
   }
   if (!completed) {
     throw error_for(s, c.peer,
                     fmt::format(FMT_STRING("receiving {} from peer {} was aborted by the backend"),
-                                part, c.peer));
+                                names[failed], c.peer));
   }
   return true;
 }
@@ -347,7 +382,7 @@ Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int
                                  seq, peer, why, s.tag));
   };
   if (w[0] != kMagic) throw corrupt(fmt::format(FMT_STRING("bad magic number {}"), w[0]));
-  if (w[1] != kData && w[1] != kEnd) {
+  if (w[1] != kData && w[1] != kBatch && w[1] != kEnd) {
     throw corrupt(fmt::format(FMT_STRING("unknown kind {}"), w[1]));
   }
   if (w[2] != seq) {
@@ -449,6 +484,60 @@ Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int
 // Work::abort(). (Polling is no alternative: gloo's receive Work reports isCompleted() only
 // after wait() has returned.)
 
+// Note [Batches]
+// send_batch() packs consecutive messages to one peer into one wire message of kind kBatch, as
+// many as fit the header: its header ints are
+//   k, then (H_i, N_i) for each of the k messages, then the k messages' header ints in order,
+// and its tensors are the k messages' tensors in order. The receiver splits it back into k
+// messages before they reach the inbox, so nothing above the transport tells a batch from k
+// sends. A batch costs the wire what one message does: one header send, and one payload send
+// per tensor that does not fit the header, where k messages cost k header sends, each a gloo
+// rendezvous (notify, ready, bytes) with a wake-up of the peer's receiver thread.
+
+// Splits a received batch (Note [Batches]) into its messages; throws TransportError on a batch a
+// well-behaved peer cannot have sent.
+std::vector<Message> split_batch(const TransportState& s, Message batch, int64_t seq) {
+  const std::vector<int64_t>& h = batch.header;
+  auto corrupt = [&](const std::string& why) {
+    return error_for(s, batch.peer,
+                     fmt::format(FMT_STRING("corrupt batch #{} from peer {}: {} (is something "
+                                            "else sending on tag {} of this group?)"),
+                                 seq, batch.peer, why, s.tag));
+  };
+  if (h.empty() || h[0] < 1 || 1 + 2 * h[0] > static_cast<int64_t>(h.size())) {
+    throw corrupt(fmt::format(FMT_STRING("{} header ints"), h.size()));
+  }
+  const int64_t k = h[0];
+  int64_t header_pos = 1 + 2 * k;
+  int64_t tensor_pos = 0;
+  std::vector<Message> messages;
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t num_header = h[1 + 2 * i];
+    const int64_t num_tensors = h[2 + 2 * i];
+    if (num_header < 0 || num_tensors < 0 ||
+        num_header > static_cast<int64_t>(h.size()) - header_pos ||
+        num_tensors > static_cast<int64_t>(batch.tensors.size()) - tensor_pos) {
+      throw corrupt(fmt::format(FMT_STRING("message {} of {} has {} header ints and {} tensors"), i,
+                                k, num_header, num_tensors));
+    }
+    Message m{batch.peer,
+              std::vector<int64_t>(h.begin() + header_pos, h.begin() + header_pos + num_header),
+              {}};
+    m.tensors.assign(std::make_move_iterator(batch.tensors.begin() + tensor_pos),
+                     std::make_move_iterator(batch.tensors.begin() + tensor_pos + num_tensors));
+    header_pos += num_header;
+    tensor_pos += num_tensors;
+    messages.push_back(std::move(m));
+  }
+  if (header_pos != static_cast<int64_t>(h.size()) ||
+      tensor_pos != static_cast<int64_t>(batch.tensors.size())) {
+    throw corrupt(fmt::format(FMT_STRING("{} header ints and {} tensors left over"),
+                              static_cast<int64_t>(h.size()) - header_pos,
+                              static_cast<int64_t>(batch.tensors.size()) - tensor_pos));
+  }
+  return messages;
+}
+
 // The body of the receiver thread of one peer: receive messages until END or abort(), appending
 // them to the inbox. Owns a reference to the state: it may outlive the Transport after abort().
 void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel) {
@@ -466,53 +555,61 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
       at::Tensor wire = at::empty({Transport::kHeaderSlots}, at::kLong);
       // See Note [Idle receivers].
       const std::string part = fmt::format(FMT_STRING("the header of message #{}"), seq);
-      if (!receive_part(s, c, Part{wire, s.group.get(), false}, kMaxWait, part)) break;
+      if (!receive_parts(s, c, {Part{wire, s.group.get(), false}}, kMaxWait, {part})) break;
       Parsed parsed = parse_wire(s, c.peer, wire, seq);
       if (parsed.kind == kEnd) break;
       Message message{c.peer, std::move(parsed.header), {}};
-      bool stopped = false;
+      // Allocate every tensor, fill the inline ones, then receive the others' parts together.
+      std::vector<Part> parts;
+      std::vector<std::string> names;
       for (size_t i = 0; i < parsed.dtypes.size(); ++i) {
-        // After a stop only device parts are still received: see Note [Device payloads are
-        // always matched].
-        if (stopped && !parsed.device_bytes[i]) continue;
         const auto options = at::TensorOptions().dtype(parsed.dtypes[i]);
-        const std::string what_part = fmt::format(FMT_STRING("tensor {} of message #{}"), i, seq);
         at::Tensor tensor;
         if (parsed.device_bytes[i]) {
           // Straight into its buffer on this rank's device.
           if (s.device.is_cpu()) {
             throw error_for(s, c.peer,
-                            fmt::format(FMT_STRING("{} from peer {} is a device tensor for the "
-                                                   "payload group, and this rank's Transport "
-                                                   "has no device"),
-                                        what_part, c.peer));
+                            fmt::format(FMT_STRING("tensor {} of message #{} from peer {} is a "
+                                                   "device tensor for the payload group, and "
+                                                   "this rank's Transport has no device"),
+                                        i, seq, c.peer));
           }
           tensor = at::empty(parsed.sizes[i], options.device(s.device));
-          c10d::ProcessGroup* group = s.payload_group(c.peer, s.rank);
-          if (!receive_part(s, c, Part{as_bytes(tensor), group, true}, clamp_wait(s.timeout),
-                            what_part)) {
-            stopped = true;
-          }
+          parts.push_back(Part{as_bytes(tensor), s.payload_group(c.peer, s.rank), true});
         } else {
           tensor = at::empty(parsed.sizes[i], options);
           if (parsed.inline_slot[i] >= 0) {
             std::memcpy(tensor.data_ptr(), wire.data_ptr<int64_t>() + parsed.inline_slot[i],
                         tensor.nbytes());
           } else if (tensor.numel() > 0) {
-            // The peer is sending this message now: its parts follow within the timeout.
             c10d::ProcessGroup* group =
                 parsed.on_payload[i] ? s.payload_group(c.peer, s.rank) : s.group.get();
-            stopped = !receive_part(s, c, Part{as_bytes(tensor), group, false},
-                                    clamp_wait(s.timeout), what_part);
+            parts.push_back(Part{as_bytes(tensor), group, false});
           }
-          if (!stopped) tensor = land(std::move(tensor), parsed.on_device[i]);
+        }
+        if (parts.size() > names.size()) {
+          names.push_back(fmt::format(FMT_STRING("tensor {} of message #{}"), i, seq));
         }
         message.tensors.push_back(std::move(tensor));
       }
-      if (stopped) break;
+      // The peer is sending this message now: its parts follow within the timeout. After a
+      // stop only device parts are still received: see Note [Device payloads are always
+      // matched].
+      if (!receive_parts(s, c, parts, clamp_wait(s.timeout), names)) break;
+      for (size_t i = 0; i < message.tensors.size(); ++i) {
+        if (!parsed.device_bytes[i]) {
+          message.tensors[i] = land(std::move(message.tensors[i]), parsed.on_device[i]);
+        }
+      }
+      std::vector<Message> messages;
+      if (parsed.kind == kBatch) {
+        messages = split_batch(s, std::move(message), seq);
+      } else {
+        messages.push_back(std::move(message));
+      }
       {
         std::lock_guard<std::mutex> lock(s.mutex);
-        s.inbox.push_back(std::move(message));
+        for (Message& m : messages) s.inbox.push_back(std::move(m));
       }
       s.cv.notify_all();
     }
@@ -564,9 +661,9 @@ void abort_state(TransportState& s) noexcept {
     for (const auto& [peer, c] : s.channels) {
       std::lock_guard<std::mutex> lock(c->work_mutex);
       c->stop = true;
-      if (c->pending_recv) {
+      for (const auto& work : c->pending_recvs) {
         try {
-          c->pending_recv->abort();
+          work->abort();
         } catch (...) {
         }
       }
@@ -704,52 +801,69 @@ int64_t Transport::header_capacity(const std::vector<at::Tensor>& tensors) {
   return kHeaderSlots - used;
 }
 
-void Transport::send(int peer, const std::vector<int64_t>& header,
-                     const std::vector<at::Tensor>& tensors) {
-  TransportState& s = *state_;
+namespace internal {
+namespace {
+
+// Checks the state and `peer` before a send; returns the peer's channel.
+Channel& sending_channel(TransportState& s, int peer, const char* call) {
   {
     std::lock_guard<std::mutex> lock(s.mutex);
-    SMP_CHECK(s.phase == Phase::kRunning, "{}: send() needs an open step: {}", s.where(),
+    SMP_CHECK(s.phase == Phase::kRunning, "{}: {} needs an open step: {}", s.where(), call,
               s.phase == Phase::kIdle        ? "call start() first"
               : s.phase == Phase::kFinishing ? "finish() has begun"
                                              : "the transport failed or was aborted");
   }
   Channel* channel = s.channel(peer);
-  SMP_CHECK(channel, "{}: send() to peer {}, which is not one of its peers [{}]", s.where(), peer,
+  SMP_CHECK(channel, "{}: {} to peer {}, which is not one of its peers [{}]", s.where(), call, peer,
             fmt::join(s.peers, ", "));
-  // Check everything before the first part leaves: a half-sent message would break the channel.
+  return *channel;
+}
+
+// Checks one message before anything leaves: a half-sent message would break the channel.
+// `which` names it in errors ("" for send(), "message 3 of the batch: " for send_batch()).
+void check_message(const TransportState& s, int peer, const std::vector<int64_t>& header,
+                   const std::vector<at::Tensor>& tensors, const char* call,
+                   const std::string& which) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    SMP_CHECK(t.defined(), "{}: send() to peer {}: tensor {} is undefined", s.where(), peer, i);
+    SMP_CHECK(t.defined(), "{}: {} to peer {}: {}tensor {} is undefined", s.where(), call, peer,
+              which, i);
     SMP_CHECK(t.layout() == at::kStrided,
-              "{}: send() to peer {}: tensor {} (shape {}, dtype {}) has layout {}; only dense "
+              "{}: {} to peer {}: {}tensor {} (shape {}, dtype {}) has layout {}; only dense "
               "tensors are supported, call .to_dense() first",
-              s.where(), peer, i, shape_str(t.sizes()), c10::toString(t.scalar_type()),
+              s.where(), call, peer, which, i, shape_str(t.sizes()), c10::toString(t.scalar_type()),
               layout_name(t.layout()));
     SMP_CHECK(!t.is_meta(),
-              "{}: send() to peer {}: tensor {} (shape {}, dtype {}) is on meta and has no data; "
+              "{}: {} to peer {}: {}tensor {} (shape {}, dtype {}) is on meta and has no data; "
               "send a CPU or device tensor",
-              s.where(), peer, i, shape_str(t.sizes()), c10::toString(t.scalar_type()));
+              s.where(), call, peer, which, i, shape_str(t.sizes()),
+              c10::toString(t.scalar_type()));
     SMP_CHECK(!c10::isQIntType(t.scalar_type()),
-              "{}: send() to peer {}: tensor {} has quantized dtype {}, which is not supported",
-              s.where(), peer, i, c10::toString(t.scalar_type()));
+              "{}: {} to peer {}: {}tensor {} has quantized dtype {}, which is not supported",
+              s.where(), call, peer, which, i, c10::toString(t.scalar_type()));
   }
-  const int64_t capacity = header_capacity(tensors);
+  const int64_t capacity = Transport::header_capacity(tensors);
   SMP_CHECK(static_cast<int64_t>(header.size()) <= capacity,
-            "{}: send() to peer {}: the message does not fit the {}-entry wire header: {} header "
+            "{}: {} to peer {}: {}the message does not fit the {}-entry wire header: {} header "
             "ints, room for {} with {} tensors ({} entries of tensor metadata); send fewer tensors "
             "or a shorter header",
-            s.where(), peer, kHeaderSlots, header.size(), std::max<int64_t>(capacity, 0),
-            tensors.size(), kHeaderSlots - internal::kFixedSlots - capacity);
+            s.where(), call, peer, which, Transport::kHeaderSlots, header.size(),
+            std::max<int64_t>(capacity, 0), tensors.size(),
+            Transport::kHeaderSlots - kFixedSlots - capacity);
+}
 
-  // Encode (see Note [Wire header]); slot 2 (seq) is filled under the channel's send lock.
-  at::Tensor wire = internal::empty_wire();
+// Encodes a message of `kind` (see Note [Wire header]): the wire header, with slot 2 (seq) still
+// to fill under the channel's send lock, and the parts that follow it.
+std::pair<at::Tensor, std::vector<Part>> encode(TransportState& s, int peer, int64_t kind,
+                                                const std::vector<int64_t>& header,
+                                                const std::vector<at::Tensor>& tensors) {
+  at::Tensor wire = empty_wire();
   int64_t* w = wire.data_ptr<int64_t>();
-  w[0] = internal::kMagic;
-  w[1] = internal::kData;
+  w[0] = kMagic;
+  w[1] = kind;
   w[3] = static_cast<int64_t>(header.size());
   w[4] = static_cast<int64_t>(tensors.size());
-  int64_t pos = internal::kFixedSlots;
+  int64_t pos = kFixedSlots;
   std::vector<int64_t> dtype_slot;
   c10d::ProcessGroup* payload_group = s.payload_group(s.rank, peer);
   for (const at::Tensor& t : tensors) {
@@ -761,31 +875,87 @@ void Transport::send(int peer, const std::vector<int64_t>& header,
   std::copy(header.begin(), header.end(), w + pos);
   pos += static_cast<int64_t>(header.size());
   // See Note [Payload routes].
-  std::vector<internal::Part> payloads;
+  std::vector<Part> payloads;
   for (size_t i = 0; i < tensors.size(); ++i) {
     at::Tensor t = tensors[i].detach().resolve_conj().resolve_neg();
     const bool on_device = !t.device().is_cpu();
-    if (on_device) w[dtype_slot[i]] += internal::kOnDevice;
+    if (on_device) w[dtype_slot[i]] += kOnDevice;
     if (t.numel() == 0) continue;
-    if (on_device && internal::moves_device_bytes(payload_group, t.device().type())) {
-      w[dtype_slot[i]] += internal::kOnPayload + internal::kDeviceBytes;
-      payloads.push_back({internal::as_bytes(t.contiguous()), payload_group, true});
+    if (on_device && moves_device_bytes(payload_group, t.device().type())) {
+      w[dtype_slot[i]] += kOnPayload + kDeviceBytes;
+      payloads.push_back({as_bytes(t.contiguous()), payload_group, true});
       continue;
     }
-    at::Tensor bytes = internal::as_bytes((on_device ? t.to(at::kCPU) : t).contiguous());
-    const int64_t slots = internal::slots_for(bytes.numel());
-    if (pos + slots <= kHeaderSlots) {
+    at::Tensor bytes = as_bytes((on_device ? t.to(at::kCPU) : t).contiguous());
+    const int64_t slots = slots_for(bytes.numel());
+    if (pos + slots <= Transport::kHeaderSlots) {
       std::memcpy(w + pos, bytes.data_ptr(), bytes.numel());
-      w[dtype_slot[i]] += internal::kInline;
+      w[dtype_slot[i]] += kInline;
       pos += slots;
     } else if (payload_group && payload_group->hasBackendForDeviceType(c10::kCPU)) {
-      w[dtype_slot[i]] += internal::kOnPayload;
+      w[dtype_slot[i]] += kOnPayload;
       payloads.push_back({std::move(bytes), payload_group, false});
     } else {
       payloads.push_back({std::move(bytes), s.group.get(), false});
     }
   }
-  internal::send_message(s, *channel, wire, std::move(payloads), "message");
+  return {std::move(wire), std::move(payloads)};
+}
+
+}  // namespace
+}  // namespace internal
+
+void Transport::send(int peer, const std::vector<int64_t>& header,
+                     const std::vector<at::Tensor>& tensors) {
+  TransportState& s = *state_;
+  internal::Channel& channel = internal::sending_channel(s, peer, "send()");
+  internal::check_message(s, peer, header, tensors, "send()", "");
+  auto [wire, payloads] = internal::encode(s, peer, internal::kData, header, tensors);
+  internal::send_message(s, channel, wire, std::move(payloads), "message");
+}
+
+void Transport::send_batch(int peer, const std::vector<OutgoingMessage>& messages) {
+  TransportState& s = *state_;
+  internal::Channel& channel = internal::sending_channel(s, peer, "send_batch()");
+  for (size_t i = 0; i < messages.size(); ++i) {
+    internal::check_message(s, peer, messages[i].first, messages[i].second, "send_batch()",
+                            fmt::format(FMT_STRING("message {} of {}: "), i, messages.size()));
+  }
+  // Greedily: each wire message takes as many of the next messages as fit its header (see Note
+  // [Batches]); a message alone goes as send() sends it.
+  size_t first = 0;
+  while (first < messages.size()) {
+    std::vector<int64_t> header{0};
+    std::vector<int64_t> counts;
+    std::vector<int64_t> ints;
+    std::vector<at::Tensor> tensors;
+    int64_t metadata = 0;  // wire entries of the tensors' metadata (see header_capacity)
+    size_t end = first;
+    for (; end < messages.size(); ++end) {
+      const auto& [h, t] = messages[end];
+      int64_t more = 0;
+      for (const at::Tensor& tensor : t) more += 2 + tensor.dim();
+      const auto needed = static_cast<int64_t>(1 + counts.size() + 2 + ints.size() + h.size());
+      if (end > first && needed > kHeaderSlots - internal::kFixedSlots - metadata - more) break;
+      metadata += more;
+      tensors.insert(tensors.end(), t.begin(), t.end());
+      counts.push_back(static_cast<int64_t>(h.size()));
+      counts.push_back(static_cast<int64_t>(t.size()));
+      ints.insert(ints.end(), h.begin(), h.end());
+    }
+    if (end - first == 1) {
+      auto [wire, payloads] =
+          internal::encode(s, peer, internal::kData, messages[first].first, messages[first].second);
+      internal::send_message(s, channel, wire, std::move(payloads), "message");
+    } else {
+      header[0] = static_cast<int64_t>(end - first);
+      header.insert(header.end(), counts.begin(), counts.end());
+      header.insert(header.end(), ints.begin(), ints.end());
+      auto [wire, payloads] = internal::encode(s, peer, internal::kBatch, header, tensors);
+      internal::send_message(s, channel, wire, std::move(payloads), "batch");
+    }
+    first = end;
+  }
 }
 
 std::optional<Message> Transport::recv(std::chrono::milliseconds timeout) {

@@ -3,7 +3,11 @@
 ``Transport.send`` returns only when the peer has taken every part of the message; on gloo that
 includes waking the peer's receiver thread, which costs milliseconds when every core is busy
 computing. :class:`Sender` hands each message to one thread per peer, which sends them in the
-order they were given (so each channel stays FIFO), while the caller goes on computing.
+order they were given (so each channel stays FIFO), while the caller goes on computing. The
+messages that queue up for a peer while one is on the wire go together, as one
+``Transport.send_batch``: a gloo message costs a rendezvous and a wake-up of the peer's receiver
+whatever its size, and a stage that calls several modules of another in a row would pay it for
+each.
 
 The tensors of a message must not be modified in place until it is sent: the runtime sends
 asynchronously only tensors it owns (a served call's outputs, gradients, and copies of a call's
@@ -22,6 +26,8 @@ import torch
 from smp import _C
 
 __all__ = ["Sender"]
+
+_BATCH = 64  # messages sent as one batch at most (the transport packs what fits its header)
 
 
 class Sender:
@@ -90,17 +96,29 @@ class Sender:
             torch.cuda.set_device(self.device)
         q = self._queues[peer]
         while True:
-            item = q.get()
-            if item is None:
-                return
-            header, tensors, done = item
-            if self.error is None:
+            # What queued up while the last send was on the wire goes as one batch.
+            items = [q.get()]
+            while items[-1] is not None and len(items) < _BATCH:
                 try:
-                    self.transport.send(peer, header, tensors)
+                    items.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            last = items[-1] is None
+            if last:
+                items.pop()
+            if items and self.error is None:
+                try:
+                    if len(items) == 1:
+                        self.transport.send(peer, items[0][0], items[0][1])
+                    else:
+                        self.transport.send_batch(peer, [(h, t) for h, t, _ in items])
                 except BaseException as exc:  # noqa: BLE001 - raised by the next send or close
                     self.error = exc
                     # The server may be waiting for a message that now cannot come.
                     with contextlib.suppress(Exception):
                         self.transport.abort()
-            if done is not None:
-                done.set()
+            for _, _, done in items:
+                if done is not None:
+                    done.set()
+            if last:
+                return

@@ -6,15 +6,15 @@
 // fixed-size int64 tensor of kHeaderSlots entries (the wire header; Note [Wire header] in
 // transport.cpp has its layout), which also carries the bytes of the tensors that fit in its
 // free entries, and then one payload send per other non-empty tensor, all to the same peer on
-// the same tag.
+// the same tag. send_batch() packs several messages into one wire message (Note [Batches]).
 //
 // The rules below come from peers' bugs on gloo (docs/design.md §4):
 //   - One FIFO channel per peer pair: messages from one peer arrive in the order they were sent,
 //     and a message's parts are never interleaved with another message to the same peer (sends
 //     to one peer are serialised by a mutex).
 //   - Receives are never batched over peers (no recvAnysource, no batch_isend_irecv): each peer
-//     has its own receiver thread that posts, in a fixed order, the header receive and then the
-//     payload receives of one message, and waits on each before posting the next.
+//     has its own receiver thread that posts, in a fixed order, the header receive, waits for
+//     it, then posts every payload receive of that message at once and waits on them in order.
 //   - Every Work is waited on: send() waits for all parts of its message before it returns (gloo
 //     sends are a rendezvous: they complete once the peer's receiver thread has posted the
 //     matching receive, i.e. promptly while the peer's Transport is started); receiver threads
@@ -86,6 +86,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace smp::pytorch {
@@ -176,6 +177,16 @@ class Transport {
   /// if the backend fails or a part is not taken within the timeout (is the peer started?); the
   /// channel to `peer` is then broken and every later send to it throws as well.
   void send(int peer, const std::vector<int64_t>& header, const std::vector<at::Tensor>& tensors);
+
+  /// One message to send: its header ints and its tensors.
+  using OutgoingMessage = std::pair<std::vector<int64_t>, std::vector<at::Tensor>>;
+
+  /// Sends `messages` to `peer` in order, as that many send() calls would, but packed into as
+  /// few wire messages as fit the wire header (Note [Batches] in transport.cpp): the peer's
+  /// recv() returns them one by one, as if sent one by one, at a fraction of the wire's cost.
+  /// Checks every message as send() does before anything is sent; returns and throws as
+  /// send() does.
+  void send_batch(int peer, const std::vector<OutgoingMessage>& messages);
 
   /// Returns the next message of the inbox: messages from one peer in the order they were sent,
   /// messages from different peers in the order they arrived. Waits up to `timeout` for one.

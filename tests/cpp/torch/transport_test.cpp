@@ -146,6 +146,29 @@ std::thread spawn(std::function<void()> fn) {
   });
 }
 
+// Rank 1 sends a forged wire header (magic and seq 0 set, the rest from `fill`); rank 0's
+// recv() must fail with a TransportError naming each of `parts`.
+void expect_corrupt(const std::function<void(int64_t*)>& fill,
+                    const std::vector<std::string>& parts) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    if (r == 1) {
+      at::Tensor wire = at::zeros({Transport::kHeaderSlots}, at::kLong);
+      int64_t* w = wire.data_ptr<int64_t>();
+      w[0] = 0x736d7074726e7331;
+      fill(w);
+      std::vector<at::Tensor> sent{wire};
+      rank.group->send(sent, 0, kTag)->wait();
+      return;
+    }
+    Transport transport(rank.group, {1}, kLong, kTag);
+    transport.start();
+    expect_throw<TransportError>([&] { transport.recv(kLong); }, parts);
+  });
+  expect_no_errors(errors);
+}
+
 // ---- messages ----------------------------------------------------------------------------
 
 // 200 messages of mixed dtypes and shapes each way between two ranks, sent and received at the
@@ -174,6 +197,99 @@ TEST(TransportTest, FifoOrderWithMixedTensorsBothWays) {
     transport.finish();
   });
   expect_no_errors(errors);
+}
+
+// send_batch: the peer receives each message alone, intact and in order, mixed with plain
+// sends; messages that fit one wire header cost one send of the backend, and a batch too big for
+// one header is split over several.
+TEST(TransportTest, BatchesArriveAsTheirMessagesInOrder) {
+  constexpr int kNum = 200;
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    if (r == 0) {
+      // Ten header-only messages in one batch: one send.
+      std::vector<Transport::OutgoingMessage> small;
+      for (int i = 0; i < 10; ++i)
+        small.emplace_back(message_header(0, i * 4 + 2), std::vector<at::Tensor>{});
+      int64_t before = rank.backend->num_send_.load();
+      transport.send_batch(1, small);
+      EXPECT_EQ(rank.backend->num_send_.load() - before, 1);
+      // Then kNum mixed messages: batches of 0 (a plain send) to 11 messages; the largest
+      // batches take more than one header.
+      before = rank.backend->num_send_.load();
+      for (int i = 0; i < kNum;) {
+        const int size = i % 12;
+        if (size == 0) {
+          transport.send(1, message_header(0, i), message_tensors(0, i));
+          ++i;
+          continue;
+        }
+        std::vector<Transport::OutgoingMessage> batch;
+        for (; i < kNum && static_cast<int>(batch.size()) < size; ++i) {
+          batch.emplace_back(message_header(0, i), message_tensors(0, i));
+        }
+        transport.send_batch(1, batch);
+      }
+      EXPECT_LT(rank.backend->num_send_.load() - before, kNum / 2);
+    } else {
+      for (int i = 0; i < 10; ++i) {
+        std::optional<Message> got = transport.recv(kLong);
+        ASSERT_TRUE(got.has_value());
+        EXPECT_EQ(got->header, message_header(0, i * 4 + 2));
+        EXPECT_TRUE(got->tensors.empty());
+      }
+      for (int i = 0; i < kNum; ++i) {
+        std::optional<Message> got = transport.recv(kLong);
+        ASSERT_TRUE(got.has_value()) << "message " << i;
+        expect_message(*got, 0, i);
+      }
+    }
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
+// A batch with one bad message is refused before anything of it is sent, naming the message.
+TEST(TransportTest, BatchWithABadMessageSendsNothing) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    if (r == 0) {
+      const int64_t before = rank.backend->num_send_.load();
+      std::vector<Transport::OutgoingMessage> batch{
+          {{1}, {at::ones({2})}}, {{2}, {}}, {{3}, {at::Tensor()}}};
+      expect_throw<smp::Error>(
+          [&] { transport.send_batch(1, batch); },
+          {"send_batch()", "peer 1", "message 2 of 3", "tensor 0", "undefined"});
+      EXPECT_EQ(rank.backend->num_send_.load(), before) << "something was sent";
+      transport.send_batch(1, {{{4}, {}}});
+    } else {
+      std::optional<Message> got = transport.recv(kLong);
+      ASSERT_TRUE(got.has_value());
+      EXPECT_EQ(got->header, std::vector<int64_t>{4});
+    }
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
+// A batch whose counts do not add up is refused as corrupt, naming the peer.
+TEST(TransportTest, InconsistentBatchIsCorrupt) {
+  // kind batch, 7 header ints, no tensors; the batch: 2 messages, the first of 1 int, the
+  // second claiming 5 ints where 1 is left
+  expect_corrupt(
+      [](int64_t* w) {
+        w[1] = 2;
+        w[3] = 7;
+        const std::vector<int64_t> ints{2, 1, 0, 5, 0, 10, 11};
+        std::copy(ints.begin(), ints.end(), w + 5);
+      },
+      {"corrupt batch #0 from peer 1", "message 1 of 2 has 5 header ints and 0 tensors"});
 }
 
 // Three ranks, each sending to both others from two threads per peer at once while receiving:
@@ -411,29 +527,15 @@ TEST(TransportTest, SmallTensorsTravelInsideTheHeader) {
 
 // A header that claims an inline tensor larger than the room left is refused as corrupt.
 TEST(TransportTest, OversizedInlineTensorIsACorruptHeader) {
-  auto world = std::make_shared<ThreadWorld>(2);
-  std::vector<Rank> ranks;
-  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
-    if (r == 1) {
-      // magic, data, seq 0, no header ints, one float tensor of 5000 elements marked inline
-      at::Tensor wire = at::zeros({Transport::kHeaderSlots}, at::kLong);
-      int64_t* w = wire.data_ptr<int64_t>();
-      w[0] = 0x736d7074726e7331;
-      w[4] = 1;
-      w[5] = static_cast<int64_t>(at::kFloat) + (int64_t{1} << 32);
-      w[6] = 1;
-      w[7] = 5000;
-      std::vector<at::Tensor> parts{wire};
-      rank.group->send(parts, 0, kTag)->wait();
-      return;
-    }
-    Transport transport(rank.group, {1}, kLong, kTag);
-    transport.start();
-    expect_throw<TransportError>(
-        [&] { transport.recv(kLong); },
-        {"corrupt message #0 from peer 1", "inline tensor 0", "overflows the header"});
-  });
-  expect_no_errors(errors);
+  // kind data, no header ints, one float tensor of 5000 elements marked inline
+  expect_corrupt(
+      [](int64_t* w) {
+        w[4] = 1;
+        w[5] = static_cast<int64_t>(at::kFloat) + (int64_t{1} << 32);
+        w[6] = 1;
+        w[7] = 5000;
+      },
+      {"corrupt message #0 from peer 1", "inline tensor 0", "overflows the header"});
 }
 
 TEST(TransportTest, RecvReturnsNulloptOnceEveryPeerFinished) {

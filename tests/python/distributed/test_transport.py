@@ -127,6 +127,60 @@ def test_order_preserved_over_100_messages(pools):
     pools.run(2, _order_over_many_messages, 100, timeout_s=120)
 
 
+def _batches(num: int) -> None:
+    """send_batch over gloo, both directions at once: batches of up to 9 messages, some with
+    tensors too big for the header (their parts are received together) and large batches the
+    transport splits over several wire messages, mixed with plain sends; every message arrives
+    alone, intact and in order."""
+    rank = dist.get_rank()
+    group = _group(2)
+    transport = _C.Transport(group, [1 - rank], _TIMEOUT_S, _TAG)
+    transport.start()
+
+    def message(i):
+        tensors = _tensors(rank, 1 - rank, i)
+        if i % 3 == 0:  # two payloads past the header's room
+            tensors += [torch.arange(3000.0) * i, torch.full((40, 50), i, dtype=torch.int64)]
+        return [rank, i, -i], tensors
+
+    def send():
+        i = 0
+        while i < num:
+            size = i % 10  # 0: a plain send
+            if size == 0:
+                transport.send(1 - rank, *message(i))
+                i += 1
+            else:
+                batch = [message(j) for j in range(i, min(num, i + size))]
+                transport.send_batch(1 - rank, batch)
+                i += len(batch)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    for i in range(num):
+        peer, header, tensors = transport.recv(_TIMEOUT_S)
+        assert (peer, header) == (1 - rank, [1 - rank, i, -i])
+        want = _tensors(1 - rank, rank, i)
+        if i % 3 == 0:
+            want += [torch.arange(3000.0) * i, torch.full((40, 50), i, dtype=torch.int64)]
+        assert len(tensors) == len(want), i
+        for got, expected in zip(tensors, want):
+            assert got.dtype == expected.dtype and torch.equal(got, expected), i
+    sender.join()
+    # One batch of many header-only messages needs several wire messages: all arrive.
+    transport.send_batch(1 - rank, [([rank, i] + [i] * 40, []) for i in range(100)])
+    for i in range(100):
+        assert transport.recv(_TIMEOUT_S) == (1 - rank, [1 - rank, i] + [i] * 40, [])
+    with pytest.raises(ValueError, match=r"message 1 of 2: the message does not fit"):
+        transport.send_batch(1 - rank, [([0], []), ([0] * 600, [])])
+    transport.finish()
+    dist.destroy_process_group(group)
+
+
+def test_batches_arrive_as_their_messages_in_order(pools):
+    pools.run(2, _batches, 150, timeout_s=120)
+
+
 def _none_after_peer_finished() -> None:
     rank = dist.get_rank()
     group = _group(2)

@@ -1,6 +1,6 @@
-"""smp.pipeline.sender.Sender: per-peer FIFO order, waiting sends, the first error raised
-by the next send and returned by close (with the transport aborted), and close bounded by
-timeout_s."""
+"""smp.pipeline.sender.Sender: per-peer FIFO order, what queued up sent as one batch, waiting
+sends, the first error raised by the next send and returned by close (with the transport
+aborted), and close bounded by timeout_s."""
 
 from __future__ import annotations
 
@@ -21,13 +21,21 @@ class FakeTransport:
         self.aborted = False
         self.lock = threading.Lock()
 
+        self.batches: list[int] = []  # messages per transport call
+        self.entered = threading.Event()  # a send has begun
+
     def send(self, peer, header, tensors):
+        self.send_batch(peer, [(header, tensors)])
+
+    def send_batch(self, peer, messages):
+        self.entered.set()
         if self.gate is not None:
             assert self.gate.wait(10)
-        if header[0] == self.fail_on:
+        if any(header[0] == self.fail_on for header, _ in messages):
             raise RuntimeError(f"peer {peer} is gone")
         with self.lock:
-            self.sent.append((peer, list(header)))
+            self.sent.extend((peer, list(header)) for header, _ in messages)
+            self.batches.append(len(messages))
 
     def abort(self):
         self.aborted = True
@@ -61,6 +69,25 @@ def test_send_returns_before_the_message_is_taken_unless_asked_to_wait():
     assert not waiter.is_alive()
     assert [h for _, h in transport.sent] == [[0], [1]]
     assert sender.close() is None
+
+
+def test_what_queues_up_while_a_send_is_on_the_wire_goes_as_one_batch():
+    gate = threading.Event()
+    transport = FakeTransport(gate=gate)
+    sender = Sender(transport, [1], 10.0)
+    sender.send(1, [0], [])  # on the wire until the gate opens
+    assert transport.entered.wait(10)
+    for i in range(1, 6):
+        sender.send(1, [i], [torch.full((2,), i)])
+    waiter = threading.Thread(target=sender.send, args=(1, [6], []), kwargs={"wait": True})
+    waiter.start()
+    gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive()  # its batch was sent
+    assert sender.close() is None
+    assert [h[0] for _, h in transport.sent] == list(range(7))
+    assert transport.batches[0] == 1 and transport.batches[1] >= 5 and sum(transport.batches) == 7
+    assert len(transport.batches) < 7, transport.batches
 
 
 def test_a_failed_send_is_raised_by_the_next_send_and_returned_by_close():
