@@ -68,24 +68,48 @@ class Trivial(nn.Module):
         return x
 
 
+class AddOne(nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+class Resolve(nn.Module):
+    """Reads its input (an op the runtime does not send to the value's stage), so a call's output
+    must arrive before it can run."""
+
+    def forward(self, x):
+        return torch.relu(x)
+
+
 class Caller(nn.Module):
-    def __init__(self, calls: int):
+    """``calls`` calls of ``trivial``, each taking the last one's output.
+
+    Without ``wait`` (the benchmark's historic round trip), ``trivial`` returns its input and
+    each output is passed on unseen: the runtime need not wait for a reply before the next call,
+    so the calls go out back to back. With ``wait``, ``trivial`` adds one and a module on the
+    caller's stage reads each output, so every call waits for its reply: a synchronous round
+    trip."""
+
+    def __init__(self, calls: int, wait: bool = False):
         super().__init__()
         self.calls = calls
-        self.trivial = Trivial()
+        self.trivial = AddOne() if wait else Trivial()
+        self.here = Resolve() if wait else None
 
     def forward(self, x):
         for _ in range(self.calls):
             x = self.trivial(x)
+            if self.here is not None:
+                x = self.here(x)
         return x
 
 
-def pinged_model(calls: int):
+def pinged_model(calls: int, wait: bool = False):
     """A Caller whose root is on stage 0 and trivial module on stage 1, wrapped (smp.init done),
     and the step function that runs it: ``ping(model, x)`` makes ``calls`` cross-stage calls."""
     import smp
 
-    caller = Caller(calls)
+    caller = Caller(calls, wait)
     smp.set_partition(caller, 0)
     smp.set_partition(caller.trivial, 1)
 
@@ -170,21 +194,29 @@ def exchange(rank: int, tensor: torch.Tensor) -> None:
         dist.send(tensor, 0)
 
 
-def _round_trips(rank: int, calls: int = 200, steps: int = 5) -> dict:
+def _calls(calls: int, steps: int, wait: bool) -> tuple[float, dict]:
+    """Seconds per call and what each costs this rank, over ``steps`` steps of ``calls``."""
     import smp
 
     smp.init({"pipeline_parallel_degree": 2})
-    pinged, ping = pinged_model(calls)
+    pinged, ping = pinged_model(calls, wait)
     x = torch.zeros(1, 1)
     with torch.no_grad():
         ping(pinged, x)  # partitions
+        ping(pinged, x)  # the runtime learns which outputs are passed on unseen
         dist.barrier()
         cost, start = _Cost(), time.perf_counter()
         for _ in range(steps):
             ping(pinged, x)
-        round_trip = (time.perf_counter() - start) / (steps * calls)
-        smp_cost = cost.per(steps * calls)
+        seconds = (time.perf_counter() - start) / (steps * calls)
+        per_call = cost.per(steps * calls)
     smp.shutdown()
+    return seconds, per_call
+
+
+def _round_trips(rank: int, calls: int = 200, steps: int = 5) -> dict:
+    round_trip, smp_cost = _calls(calls, steps, wait=True)
+    chained, chained_cost = _calls(calls, steps, wait=False)
 
     buffer, n = torch.zeros(512, dtype=torch.int64), 5 * calls  # 4 KiB, as smp's header
     dist.barrier()
@@ -195,8 +227,10 @@ def _round_trips(rank: int, calls: int = 200, steps: int = 5) -> dict:
     bare_cost = cost.per(n)
     return {
         "round_trip_us": round_trip * 1e6,
+        "chained_call_us": chained * 1e6,
         "bare_gloo_round_trip_us": bare * 1e6,
         "round_trip_cost": _gathered(smp_cost),
+        "chained_call_cost": _gathered(chained_cost),
         "bare_gloo_cost": _gathered(bare_cost),
     }
 
@@ -211,14 +245,21 @@ def _worker(rank: int, steps: int, warmup: int, only: str | None) -> dict | None
 
 def _print_round_trips(result: dict) -> None:
     print(
-        f"cross-stage call round trip (trivial module): {result['round_trip_us']:.0f} us; "
-        f"bare gloo round trip (4 KiB each way): {result['bare_gloo_round_trip_us']:.0f} us"
+        f"cross-stage call round trip (x + 1, read at once): {result['round_trip_us']:.0f} us; "
+        f"bare gloo round trip (4 KiB each way): {result['bare_gloo_round_trip_us']:.0f} us\n"
+        f"chained calls of a trivial module (identity, outputs passed on; before 2026-12-05 "
+        f"the 'round trip'): {result['chained_call_us']:.0f} us per call"
     )
-    print("per round trip        rank  CPU us  context switches  TCP segments (machine)")
-    for name, key in (("smp call", "round_trip_cost"), ("bare gloo", "bare_gloo_cost")):
+    print("per call or round trip  rank  CPU us  context switches  TCP segments (machine)")
+    rows = (
+        ("smp call, round trip", "round_trip_cost"),
+        ("smp call, chained", "chained_call_cost"),
+        ("bare gloo", "bare_gloo_cost"),
+    )
+    for name, key in rows:
         for rank, cost in enumerate(result[key]):
             print(
-                f"  {name:<19} {rank:>3} {cost['cpu_us']:7.0f} {cost['switches']:17.1f} "
+                f"  {name:<21} {rank:>3} {cost['cpu_us']:7.0f} {cost['switches']:17.1f} "
                 f"{cost['tcp_segments']:13.1f}"
             )
 

@@ -190,6 +190,10 @@ def _worker(rank: int, steps: int, rounds: int, overrides: dict) -> dict:
         from smp.pipeline.runtime import PipelineRuntime
 
         PipelineRuntime.send_once = False
+    if overrides.pop("no_batch", False):  # --no-batch: one wire message per message
+        from smp.pipeline import sender
+
+        sender._BATCH = 1
     CONFIG_OVERRIDES.update(overrides)
     warmup = 2
     data = _data(steps + warmup)
@@ -299,10 +303,18 @@ def main() -> None:
         help="send a tensor again with every request that takes it (before tensors were sent "
         "once per microbatch and owner, design.md §4i)",
     )
+    parser.add_argument(
+        "--no-batch",
+        action="store_true",
+        help="send every message alone (before, what queued up for a peer went as one batch, "
+        "design.md §4d)",
+    )
     args = parser.parse_args()
     overrides = {"use_cache": False} if args.no_cache else {}
     if args.resend:
         overrides["resend"] = True
+    if args.no_batch:
+        overrides["no_batch"] = True
     r = run_ranks(_worker, P, args.steps, args.rounds, overrides)
     samples = args.steps * BATCH
     rounds = r["rounds_seconds"]
