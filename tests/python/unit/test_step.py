@@ -203,3 +203,39 @@ def test_a_bad_optimizer_says_so(single_process_smp):
     smp = single_process_smp()
     with pytest.raises(ValueError, match="torch.optim.Optimizer"):
         smp.DistributedOptimizer(object())
+
+
+def test_rewind_snapshot_follows_the_model_without_walking_it_each_step(monkeypatch):
+    """_Rewind (a pipelined step's snapshot) keeps each model's buffer and parameter lists
+    across steps (Note [Rewind without walking the model]) and sees every change that matters:
+    a registered buffer, a new submodule, a replaced parameter and a buffer reassigned under its
+    old name."""
+    import importlib
+    import types
+
+    step_module = importlib.import_module("smp.step")
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model = types.SimpleNamespace(module=net, _changing_buffers=set(), _window_position=0)
+
+    def snapshot():
+        rewind = step_module._Rewind(None, [model])
+        return {e[3]: e[4] for e in rewind.buffers}, {n: p for n, p, _ in rewind.params}
+
+    buffers, params = snapshot()
+    assert set(buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    assert set(params) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    # Nothing registered since: the lists are not built again.
+    with monkeypatch.context() as m:
+        m.setattr(net, "named_modules", lambda *a, **k: pytest.fail("walked the modules"))
+        m.setattr(net, "named_parameters", lambda *a, **k: pytest.fail("walked the params"))
+        assert snapshot() == (buffers, params)
+
+    net[0].register_buffer("scale", torch.ones(2))
+    net.append(nn.BatchNorm1d(2))
+    net[0].weight = nn.Parameter(torch.zeros(2, 2))
+    fresh = torch.zeros(2)
+    net[1].running_mean = fresh  # an existing buffer's name: torch runs no hook for this
+    buffers, params = snapshot()
+    assert {"0.scale", "2.running_mean", "2.running_var"} <= set(buffers)
+    assert params["0.weight"] is net[0].weight and "2.weight" in params
+    assert buffers["1.running_mean"] is fresh
