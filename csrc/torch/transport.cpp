@@ -182,44 +182,58 @@ TransportError error_for(const TransportState& s, int peer, const std::string& m
   return TransportError(fmt::format(FMT_STRING("{}: {}"), s.where(), message), {peer});
 }
 
-// Posts the receives of `buffers` from the channel's peer, all at once and in order, and waits
-// for them, up to `timeout` in total. Returns false if the transport was aborted; throws
-// TransportError naming the peer and the part (`names[i]`) on a backend failure.
-// All at once because gloo's unbound-buffer protocol moves a part's bytes only once the receive
-// for it is posted (the sender announces the send, the receiver answers "ready", then the bytes
-// flow): a message's parts received one after the other would pay that round trip, and a
-// wake-up of this thread, per part.
-// A device part (`on_stream`) is waited on the receiver thread's current stream instead: the
-// host does not block (Note [Payload routes]). After abort() only device parts are still posted
-// (Note [Device payloads are always matched]).
-bool receive_parts(TransportState& s, Channel& c, const std::vector<Part>& buffers,
-                   std::chrono::milliseconds timeout, const std::vector<std::string>& names) {
+// Receives posted together: the parts, their names for errors, and their works (null where
+// abort() came first and a host part was not posted).
+struct Posted {
+  std::vector<Part> parts;
+  std::vector<std::string> names;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  {
-    std::lock_guard<std::mutex> lock(c.work_mutex);
-    for (size_t i = 0; i < buffers.size(); ++i) {
-      if (c.stop && !buffers[i].on_stream) {
-        works.emplace_back();  // not posted
-        continue;
-      }
-      std::vector<at::Tensor> one{buffers[i].bytes};
-      try {
-        works.push_back(buffers[i].group->recv(one, c.peer, s.tag));
-      } catch (...) {
-        throw error_for(s, c.peer,
-                        fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"), names[i],
-                                    c.peer, what(std::current_exception())));
-      }
-      c.pending_recvs.push_back(works.back());
+};
+
+// Posts the receives of `parts` from the channel's peer, all at once and in order; wait_parts()
+// waits for them. All at once because gloo's unbound-buffer protocol moves a part's bytes only
+// once the receive for it is posted (the sender announces the send, the receiver answers
+// "ready", then the bytes flow): a message's parts received one after the other would pay that
+// round trip, and a wake-up of this thread, per part. After abort() only device parts are still
+// posted (Note [Device payloads are always matched]). Throws TransportError naming the peer and
+// the part (`names[i]`) if the backend refuses one.
+Posted post_parts(TransportState& s, Channel& c, std::vector<Part> parts,
+                  std::vector<std::string> names) {
+  Posted posted{std::move(parts), std::move(names), {}};
+  std::lock_guard<std::mutex> lock(c.work_mutex);
+  for (size_t i = 0; i < posted.parts.size(); ++i) {
+    const Part& part = posted.parts[i];
+    if (c.stop && !part.on_stream) {
+      posted.works.emplace_back();  // not posted
+      continue;
     }
+    std::vector<at::Tensor> one{part.bytes};
+    try {
+      posted.works.push_back(part.group->recv(one, c.peer, s.tag));
+    } catch (...) {
+      throw error_for(s, c.peer,
+                      fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"),
+                                  posted.names[i], c.peer, what(std::current_exception())));
+    }
+    c.pending_recvs.push_back(posted.works.back());
   }
+  return posted;
+}
+
+// Waits for the receives post_parts() posted, in order, up to `timeout` in total. Returns false
+// if the transport was aborted; throws TransportError naming the peer and the part on a backend
+// failure. A device part (`on_stream`) is waited on the receiver thread's current stream
+// instead: the host does not block (Note [Payload routes]).
+bool wait_parts(TransportState& s, Channel& c, const Posted& posted,
+                std::chrono::milliseconds timeout) {
+  const auto& works = posted.works;
   const auto deadline = std::chrono::steady_clock::now() + clamp_wait(timeout);
   std::exception_ptr error;
   size_t failed = 0;  // the first part that did not arrive
   bool completed = true;
   for (size_t i = 0; i < works.size(); ++i) {
     const bool fine = completed && !error;
-    if (!works[i] || (!fine && !buffers[i].on_stream)) {
+    if (!works[i] || (!fine && !posted.parts[i].on_stream)) {
       // Not posted (abort() came first), or an earlier part failed: host parts are not waited
       // on any more. Posted device parts still are, on the stream, which never blocks the host.
       if (fine) {
@@ -233,7 +247,7 @@ bool receive_parts(TransportState& s, Channel& c, const std::vector<Part>& buffe
                                std::chrono::duration_cast<std::chrono::milliseconds>(
                                    deadline - std::chrono::steady_clock::now()));
     try {
-      if (!(buffers[i].on_stream ? works[i]->wait() : works[i]->wait(left)) && fine) {
+      if (!(posted.parts[i].on_stream ? works[i]->wait() : works[i]->wait(left)) && fine) {
         completed = false;
         failed = i;
       }
@@ -247,19 +261,25 @@ bool receive_parts(TransportState& s, Channel& c, const std::vector<Part>& buffe
   bool stopped = false;
   {
     std::lock_guard<std::mutex> lock(c.work_mutex);
-    c.pending_recvs.clear();
+    auto& pending = c.pending_recvs;
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [&](const auto& work) {
+                                   return std::find(works.begin(), works.end(), work) !=
+                                          works.end();
+                                 }),
+                  pending.end());
     stopped = c.stop;
   }
   if (stopped) return false;  // abort() woke us; whatever the wait says is a consequence
   if (error) {
     throw error_for(s, c.peer,
-                    fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"), names[failed],
-                                c.peer, what(error)));
+                    fmt::format(FMT_STRING("receiving {} from peer {} failed: {}"),
+                                posted.names[failed], c.peer, what(error)));
   }
   if (!completed) {
     throw error_for(s, c.peer,
                     fmt::format(FMT_STRING("receiving {} from peer {} was aborted by the backend"),
-                                names[failed], c.peer));
+                                posted.names[failed], c.peer));
   }
   return true;
 }
@@ -474,6 +494,14 @@ Parsed parse_wire(const TransportState& s, int peer, const at::Tensor& wire, int
 // also replaces the payload groups (State.renew_pipeline_payload_groups), aborting the old
 // communicators.
 
+// Note [Next header posted early]
+// A receiver thread posts the receive of the next message's header right behind the parts of
+// the message it is receiving, before it waits for them: gloo moves a header's bytes only once
+// its receive is posted, and a thread that posted it only after handing the last message to the
+// inbox made a sender that was quicker wait a round trip through both event loops. Receives
+// match in the order they are posted per group, and the sender sends a message's parts before
+// the next header, so the order is the wire's. END posts nothing after it.
+
 // Note [Idle receivers]
 // A receiver waits for the next header with a timeout of a year, not with the group's timeout
 // (what kNoTimeout means to gloo): a channel may legitimately stay idle for a whole step (two
@@ -551,11 +579,17 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
     const auto land = [&](at::Tensor host, bool on_device) {
       return on_device && !s.device.is_cpu() ? host.to(s.device) : host;
     };
+    // The header of message #seq, posted before its wait (Note [Next header posted early]).
+    const auto post_header = [&](int64_t seq) {
+      return post_parts(
+          s, c, {Part{at::empty({Transport::kHeaderSlots}, at::kLong), s.group.get(), false}},
+          {fmt::format(FMT_STRING("the header of message #{}"), seq)});
+    };
+    Posted header = post_header(0);
     for (int64_t seq = 0;; ++seq) {
-      at::Tensor wire = at::empty({Transport::kHeaderSlots}, at::kLong);
       // See Note [Idle receivers].
-      const std::string part = fmt::format(FMT_STRING("the header of message #{}"), seq);
-      if (!receive_parts(s, c, {Part{wire, s.group.get(), false}}, kMaxWait, {part})) break;
+      if (!wait_parts(s, c, header, kMaxWait)) break;
+      const at::Tensor wire = header.parts[0].bytes;
       Parsed parsed = parse_wire(s, c.peer, wire, seq);
       if (parsed.kind == kEnd) break;
       Message message{c.peer, std::move(parsed.header), {}};
@@ -595,7 +629,9 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
       // The peer is sending this message now: its parts follow within the timeout. After a
       // stop only device parts are still received: see Note [Device payloads are always
       // matched].
-      if (!receive_parts(s, c, parts, clamp_wait(s.timeout), names)) break;
+      const Posted payload = post_parts(s, c, std::move(parts), std::move(names));
+      header = post_header(seq + 1);
+      if (!wait_parts(s, c, payload, clamp_wait(s.timeout))) break;
       for (size_t i = 0; i < message.tensors.size(); ++i) {
         if (!parsed.device_bytes[i]) {
           message.tensors[i] = land(std::move(message.tensors[i]), parsed.on_device[i]);
