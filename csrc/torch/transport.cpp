@@ -831,10 +831,21 @@ void Transport::start() {
   }
 }
 
-int64_t Transport::header_capacity(const std::vector<at::Tensor>& tensors) {
-  int64_t used = internal::kFixedSlots;
+namespace internal {
+namespace {
+
+// Wire entries the tensors' metadata takes (dtype, ndim, sizes each; see Note [Wire header]).
+int64_t metadata_slots(const std::vector<at::Tensor>& tensors) {
+  int64_t used = 0;
   for (const at::Tensor& tensor : tensors) used += 2 + (tensor.defined() ? tensor.dim() : 0);
-  return kHeaderSlots - used;
+  return used;
+}
+
+}  // namespace
+}  // namespace internal
+
+int64_t Transport::header_capacity(const std::vector<at::Tensor>& tensors) {
+  return kHeaderSlots - internal::kFixedSlots - internal::metadata_slots(tensors);
 }
 
 namespace internal {
@@ -856,7 +867,7 @@ Channel& sending_channel(TransportState& s, int peer, const char* call) {
 }
 
 // Checks one message before anything leaves: a half-sent message would break the channel.
-// `which` names it in errors ("" for send(), "message 3 of the batch: " for send_batch()).
+// `which` names it in errors ("" for send(), "message 2 of 3: " for send_batch()).
 void check_message(const TransportState& s, int peer, const std::vector<int64_t>& header,
                    const std::vector<at::Tensor>& tensors, const char* call,
                    const std::string& which) {
@@ -969,8 +980,7 @@ void Transport::send_batch(int peer, const std::vector<OutgoingMessage>& message
     size_t end = first;
     for (; end < messages.size(); ++end) {
       const auto& [h, t] = messages[end];
-      int64_t more = 0;
-      for (const at::Tensor& tensor : t) more += 2 + tensor.dim();
+      const int64_t more = internal::metadata_slots(t);
       const auto needed = static_cast<int64_t>(1 + counts.size() + 2 + ints.size() + h.size());
       if (end > first && needed > kHeaderSlots - internal::kFixedSlots - metadata - more) break;
       metadata += more;
@@ -979,17 +989,14 @@ void Transport::send_batch(int peer, const std::vector<OutgoingMessage>& message
       counts.push_back(static_cast<int64_t>(t.size()));
       ints.insert(ints.end(), h.begin(), h.end());
     }
-    if (end - first == 1) {
-      auto [wire, payloads] =
-          internal::encode(s, peer, internal::kData, messages[first].first, messages[first].second);
-      internal::send_message(s, channel, wire, std::move(payloads), "message");
-    } else {
-      header[0] = static_cast<int64_t>(end - first);
-      header.insert(header.end(), counts.begin(), counts.end());
-      header.insert(header.end(), ints.begin(), ints.end());
-      auto [wire, payloads] = internal::encode(s, peer, internal::kBatch, header, tensors);
-      internal::send_message(s, channel, wire, std::move(payloads), "batch");
-    }
+    const bool alone = end - first == 1;  // goes as send() sends it
+    header[0] = static_cast<int64_t>(end - first);
+    header.insert(header.end(), counts.begin(), counts.end());
+    header.insert(header.end(), ints.begin(), ints.end());
+    auto [wire, payloads] =
+        alone ? internal::encode(s, peer, internal::kData, messages[first].first, tensors)
+              : internal::encode(s, peer, internal::kBatch, header, tensors);
+    internal::send_message(s, channel, wire, std::move(payloads), alone ? "message" : "batch");
     first = end;
   }
 }
