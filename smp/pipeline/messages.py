@@ -6,9 +6,9 @@ tensors, None, numbers and strings, tuples (named ones too), lists, dicts, datac
 or ``EncoderDecoderCache``, a config — with the tensors they hold. ``pack`` splits such a value
 into
 
-  - a *skeleton*: the value pickled with every tensor replaced by its slot number (pickle's
-    persistent ids), so the tensors travel as payload and never through pickle, and
-  - the list of tensors, in the order pickle meets them,
+  - a *skeleton*: the value pickled with every tensor replaced by its slot number (Note
+    [Tensors out of the pickle]), so the tensors travel as payload and never through pickle, and
+  - the list of tensors, in the order pickle meets them (a tensor met twice is one slot),
 
 and ``fill`` / ``unpack`` put them back together. Slots remember whether the tensor required
 grad, so the receiving side knows which values enter the autograd graph. A module of the model
@@ -35,6 +35,7 @@ import dataclasses
 import io
 import pickle
 import struct
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -114,11 +115,53 @@ class Skeleton:
         raw = skeleton.numpy().tobytes()
         (n,) = _COUNT.unpack_from(raw)
         start = _COUNT.size
-        return Skeleton(raw[start + n :], tuple(bool(b) for b in raw[start : start + n]))
+        return Skeleton(raw[start + n :], tuple(map(bool, raw[start : start + n])))
+
+
+# Note [Tensors out of the pickle]
+# A tensor, a module and a reply's request tensor leave the pickle as a call of one of the
+# functions below with its slot number (path, request slot); unpickled, the call answers from
+# the message that ``fill`` unpickles in this thread (``_loading``). Pickle offers two hooks for
+# taking objects out: ``persistent_id``, which it calls, in Python, for every object it meets
+# (each int, str and tuple of a ``DynamicCache`` too), and ``reducer_override``, which it skips
+# for the types it pickles itself (None, bools, numbers, str, bytes, dict, list, tuple, set).
+# With the second, packing a layer's output with an HF ``DynamicCache`` of 8 layers takes 35
+# instead of 52 us and its fingerprint 30 instead of 53 us. It comes after pickle's memo, so a
+# tensor that occurs twice in a value is one slot, and the receiver gets one tensor at both
+# places, as the sender had.
+
+
+_loading = threading.local()  # what the value being unpickled in this thread takes: _Frame
+
+
+@dataclasses.dataclass
+class _Frame:
+    tensors: Any
+    modules: Mapping[str, nn.Module] | None
+    sent: Any
+
+
+def _tensor_at(index: int):
+    return _loading.frame.tensors[index]
+
+
+def _sent_at(index: int):
+    sent = _loading.frame.sent
+    if sent is None:
+        raise RuntimeError("smp: a reply names a request tensor, but none was given")
+    return sent[index]
+
+
+def _module_at(path: str):
+    modules = _loading.frame.modules
+    if modules is None:
+        return _Shown(f"Module({path or '<root>'})")
+    return modules[path]
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles a value with its tensors and the model's modules taken out (persistent ids)."""
+    """Pickles a value with its tensors and the model's modules taken out (Note [Tensors out of
+    the pickle])."""
 
     def __init__(self, file, resolve, modules, local=None):
         super().__init__(file, protocol=_PROTOCOL)
@@ -126,23 +169,19 @@ class _Pickler(pickle.Pickler):
         self.tensors: list = []
         self.flags: list[bool] = []
 
-    def persistent_id(self, obj):
+    def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor):
             if self.resolve is not None:
                 obj = self.resolve(obj)
                 if isinstance(obj, Sent):
-                    return obj
-                if isinstance(obj, Ref):
-                    self.tensors.append(obj)
-                    self.flags.append(obj.requires_grad)
-                    return len(self.tensors) - 1
+                    return _sent_at, (obj.index,)
             self.tensors.append(obj)
             self.flags.append(obj.requires_grad)
-            return len(self.tensors) - 1
+            return _tensor_at, (len(self.tensors) - 1,)
         if isinstance(obj, nn.Module):
             if self.local is not None:  # an in-process copy: modules stay themselves
                 self.local.append(obj)
-                return ModuleRef(f"#{len(self.local) - 1}")
+                return _module_at, (f"#{len(self.local) - 1}",)
             path = self.modules.get(id(obj)) if self.modules is not None else None
             if path is None:
                 raise TypeError(
@@ -150,27 +189,8 @@ class _Pickler(pickle.Pickler):
                     "distributed model cannot cross pipeline stages; pass its outputs instead, "
                     "or make it a submodule of the model"
                 )
-            return ModuleRef(path)
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, tensors, modules, sent):
-        super().__init__(file)
-        self.tensors, self.modules, self.sent = tensors, modules, sent
-
-    def persistent_load(self, pid):
-        if isinstance(pid, int):
-            return self.tensors[pid]
-        if isinstance(pid, Sent):
-            if self.sent is None:
-                raise RuntimeError("smp: a reply names a request tensor, but none was given")
-            return self.sent[pid.index]
-        if isinstance(pid, ModuleRef):
-            if self.modules is None:
-                return _Shown(f"Module({pid.path or '<root>'})")
-            return self.modules[pid.path]
-        raise pickle.UnpicklingError(f"smp: unknown persistent id {pid!r}")
+            return _module_at, (path,)
+        return NotImplemented
 
 
 def _cannot_cross(value: Any, exc: BaseException) -> TypeError:
@@ -220,7 +240,12 @@ def fill(
     """The value of ``skeleton`` with ``tensors[i]`` at slot i (any objects will do), the
     receiver's modules for module references and ``sent[i]`` for :class:`Sent` markers. Every
     call builds new objects."""
-    return _Unpickler(io.BytesIO(skeleton.blob), tensors, modules, sent).load()
+    outer = getattr(_loading, "frame", None)  # a fill inside a fill (an object's __setstate__)
+    _loading.frame = _Frame(tensors, modules, sent)
+    try:
+        return pickle.loads(skeleton.blob)
+    finally:
+        _loading.frame = outer
 
 
 def unpack(skeleton: torch.Tensor, tensors: list, modules=None, sent=None) -> Any:
@@ -295,6 +320,7 @@ def _describe(value: Any, depth: int) -> str:
 
 
 _PLAIN = tree.PLAIN
+_STATELESS = (torch.Tensor, *_PLAIN)
 
 
 def fingerprint(value: Any) -> bytes | None:
@@ -302,8 +328,10 @@ def fingerprint(value: Any) -> bytes | None:
     after a module's forward iff the forward changed no attribute, item or element anywhere in
     it (replaced tensors count; in-place changes to a tensor's data do not). None for values
     that hold no mutable state (tensors, plain values) or that pickle cannot carry."""
-    if isinstance(value, (torch.Tensor, *_PLAIN)):
-        return None
+    if isinstance(value, _STATELESS) or (
+        type(value) is tuple and all(isinstance(v, _STATELESS) for v in value)
+    ):
+        return None  # a tuple of tensors (a rotary embedding's cos and sin) changes no item
     buffer = io.BytesIO()
     pickler = _IdentityPickler(buffer)
     try:
@@ -313,16 +341,22 @@ def fingerprint(value: Any) -> bytes | None:
     return buffer.getvalue()
 
 
+def _identity(kind: str, key: int):  # pragma: no cover - fingerprints are never unpickled
+    raise RuntimeError("smp: a fingerprint is not a value")
+
+
 class _IdentityPickler(pickle.Pickler):
+    """Tensors and modules by identity (Note [Tensors out of the pickle])."""
+
     def __init__(self, file):
         super().__init__(file, protocol=_PROTOCOL)
 
-    def persistent_id(self, obj):
+    def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor):
-            return ("tensor", id(obj))
+            return _identity, ("tensor", id(obj))
         if isinstance(obj, nn.Module):
-            return ("module", id(obj))
-        return None
+            return _identity, ("module", id(obj))
+        return NotImplemented
 
 
 def assign(target: Any, source: Any) -> None:

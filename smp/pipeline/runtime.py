@@ -961,10 +961,11 @@ class PipelineRuntime:
         worker = call.worker
         skeleton, tensors = message[2][0], message[2][1:]
         if call.fetch_of is not None:  # the outputs of an earlier call, fetched
-            self._take_outputs(call.fetch_of, skeleton, tensors)
+            self._take_outputs(call.fetch_of, messages.Skeleton.of(skeleton), tensors)
             self._replied(worker, call)
             return
-        key, cleared = messages.structure(skeleton)
+        cleared = messages.Skeleton.of(skeleton)
+        key = cleared.blob
         if call.predicted is not None and key != call.predicted:
             self.unstable.add(call.key)
             self.predictions.pop(call.key, None)
@@ -981,11 +982,11 @@ class PipelineRuntime:
             self.predictions[call.key] = (key, cleared)
         call.structure = cleared
         if call.push:
-            self._take_outputs(call, skeleton, tensors)
+            self._take_outputs(call, cleared, tensors)
         self._replied(worker, call)
 
-    def _take_outputs(self, call: _Call, skeleton, tensors) -> None:
-        for slot, tensor in zip(messages.slots(skeleton), tensors):
+    def _take_outputs(self, call: _Call, skeleton: messages.Skeleton, tensors) -> None:
+        for slot, tensor in zip(messages.slots_of(skeleton), tensors):
             if slot.requires_grad and call.grad:
                 tensor.requires_grad_(True)
                 call.out_leaves.append((slot.index, tensor))
@@ -1311,7 +1312,8 @@ class PipelineRuntime:
 
     def _reply(self, worker: _Worker) -> None:
         """REPLY of a served call: its forward and every call it made have finished."""
-        offload.forward_done(worker.microbatch)  # offload_activations
+        if self.state.config.offload_activations:
+            offload.forward_done(worker.microbatch)
         caller, call_id = worker.served
         sent = worker.sent_ids
 
@@ -1568,7 +1570,8 @@ class PipelineRuntime:
                 "smp pipeline: model.backward may be called once per microbatch when "
                 "pipeline_parallel_degree > 1; add the losses and call it once"
             )
-        offload.forward_done(worker.microbatch)  # offload_activations
+        if self.state.config.offload_activations:
+            offload.forward_done(worker.microbatch)
         roots = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         roots, grad_tensors = _resolve_tree((roots, grad_tensors))
         if grad_tensors is None:
