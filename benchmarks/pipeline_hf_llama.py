@@ -15,6 +15,9 @@ directions, the transport's tensors) and in torch's (the activations and their g
 per step, the CPU time each stage's process spent (every thread), and of it gloo's threads.
 
     .venv/bin/python benchmarks/pipeline_hf_llama.py [--steps 4] [--rounds 3] [--json out.json]
+
+``--overhead`` runs the same model with almost no compute (hidden 32, 8 tokens, vocabulary 64):
+the same modules, calls and messages, so a step's time is the runtimes' own cost per step.
 """
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ MICRO, SEQ, M, P = 2, 128, 8, 2
 BATCH = MICRO * M
 VOCAB, HIDDEN = 4096, 256
 CONFIG_OVERRIDES: dict = {}  # --no-cache: {"use_cache": False}
+
+
+def _shrink() -> None:
+    """--overhead: the same model and calls with almost no compute (module docstring)."""
+    global SEQ, HIDDEN, VOCAB
+    SEQ, HIDDEN, VOCAB = 8, 32, 64
+
+
 VARIANTS = {"default": {}, "static_zbh1": {"pipeline": "static", "pipeline_schedule": "zbh1"}}
 LABELS = {
     "default": "smp, default",
@@ -186,6 +197,8 @@ def _worker(rank: int, steps: int, rounds: int, overrides: dict) -> dict:
     import smp
     from smp.state import get_state
 
+    if overrides.pop("overhead", False):
+        _shrink()
     if overrides.pop("resend", False):  # --resend: every request carries all its tensors
         from smp.pipeline.runtime import PipelineRuntime
 
@@ -309,8 +322,17 @@ def main() -> None:
         help="send every message alone (before, what queued up for a peer went as one batch, "
         "design.md §4d)",
     )
+    parser.add_argument(
+        "--overhead",
+        action="store_true",
+        help="the same model with almost no compute (hidden 32, 8 tokens, vocabulary 64): "
+        "the runtimes' own cost per step",
+    )
     args = parser.parse_args()
     overrides = {"use_cache": False} if args.no_cache else {}
+    if args.overhead:
+        _shrink()
+        overrides["overhead"] = True
     if args.resend:
         overrides["resend"] = True
     if args.no_batch:
