@@ -615,8 +615,8 @@ class CrossingCosts:
     A call to a module on another stage is a crossing: a round trip in forward (arguments out,
     outputs back) and another in backward (their gradients). The latency and bandwidth are
     measured on the development machine (benchmarks/README.md, design.md §3): a synchronous
-    cross-stage call of smp's runtime over gloo took 946-1013 us, and gloo moved 16-64 MiB
-    tensors between two processes at 1.6-2.8 GB/s.
+    round trip of smp's runtime over gloo (a call whose output is read at once) took
+    1.2-1.6 ms, and gloo moved 16-64 MiB tensors between two processes at 1.6-2.8 GB/s.
 
     Attributes:
         latency_s: seconds per round trip.
@@ -629,7 +629,7 @@ class CrossingCosts:
         priced: False reports crossings without letting them steer the plan.
     """
 
-    latency_s: float = 1e-3
+    latency_s: float = 1.5e-3
     bandwidth: float = 2e9
     flops_per_second: float | None = None
     balance_tolerance: float = 0.1
