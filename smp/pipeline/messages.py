@@ -12,7 +12,7 @@ into
 
 and ``fill`` / ``unpack`` put them back together. Slots remember whether the tensor required
 grad, so the receiving side knows which values enter the autograd graph. A module of the model
-travels as its path (``ModuleRef``) and becomes the receiver's own instance of it; a module that
+travels as its path and becomes the receiver's own instance of it; a module that
 is not part of the model, or an object that pickle cannot carry (a lock, a lambda, an open
 file), fails with a ``TypeError`` naming its type.
 
@@ -94,13 +94,6 @@ class Sent:
     """In a reply: the tensor of request slot ``index``, which the receiver already holds."""
 
     index: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleRef:
-    """A module of the model, by its path (the receiver uses its own instance)."""
-
-    path: str
 
 
 @dataclasses.dataclass(frozen=True)

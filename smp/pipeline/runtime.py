@@ -1312,8 +1312,7 @@ class PipelineRuntime:
 
     def _reply(self, worker: _Worker) -> None:
         """REPLY of a served call: its forward and every call it made have finished."""
-        if self.state.config.offload_activations:
-            offload.forward_done(worker.microbatch)
+        offload.forward_done(worker.microbatch)  # offload_activations
         caller, call_id = worker.served
         sent = worker.sent_ids
 
@@ -1570,8 +1569,7 @@ class PipelineRuntime:
                 "smp pipeline: model.backward may be called once per microbatch when "
                 "pipeline_parallel_degree > 1; add the losses and call it once"
             )
-        if self.state.config.offload_activations:
-            offload.forward_done(worker.microbatch)
+        offload.forward_done(worker.microbatch)  # offload_activations
         roots = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         roots, grad_tensors = _resolve_tree((roots, grad_tensors))
         if grad_tensors is None:
