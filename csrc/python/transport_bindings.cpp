@@ -236,7 +236,10 @@ the message that made them runnable.
       .def_property_readonly(
           "policy", [](PipelineServer& self) -> ServerPolicy& { return self.policy(); },
           py::return_value_policy::reference_internal)
-      .def_property_readonly("announced_backward_calls", &PipelineServer::announced_backward_calls);
+      .def_property_readonly("announced_backward_calls", &PipelineServer::announced_backward_calls)
+      .def_property("hold_open", &PipelineServer::hold_open, &PipelineServer::set_hold_open,
+                    "While True, next() does not end the step at STEP_END (non-leaders): quiet "
+                    "calls served here have not finished.");
 }
 
 }  // namespace smp::python

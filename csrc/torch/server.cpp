@@ -113,7 +113,7 @@ std::optional<ServerTask> PipelineServer::next(std::chrono::milliseconds timeout
       }
       return out;
     }
-    if (is_leader_ ? policy_.all_finished() : ended_) return std::nullopt;
+    if (is_leader_ ? policy_.all_finished() : ended_ && !hold_open_) return std::nullopt;
     std::optional<Message> message;
     try {
       message = transport_->recv(timeout);

@@ -32,6 +32,7 @@ Wire form of a skeleton (a uint8 tensor): 4 bytes little-endian slot count n, n 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import pickle
 import struct
@@ -56,6 +57,7 @@ __all__ = [
     "slots_of",
     "structure",
     "describe",
+    "digest",
     "fingerprint",
     "assign",
 ]
@@ -250,6 +252,11 @@ def structure(skeleton: torch.Tensor) -> tuple[bytes, Skeleton]:
     """(bytes, skeleton): the structure without the slots' ``requires_grad`` flags."""
     unpacked = Skeleton.of(skeleton)
     return unpacked.blob, unpacked
+
+
+def digest(blob: bytes) -> int:
+    """A 64-bit fingerprint of a skeleton's ``blob`` (a signed integer: it travels in a header)."""
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little", signed=True)
 
 
 def slots(skeleton: torch.Tensor) -> list[TensorSlot]:

@@ -42,6 +42,7 @@ __all__ = ["CallStructureChanged", "PipelineRuntime"]
 logger = logging.getLogger("smp")
 
 REQUEST, REPLY, GRAD_OUT, GRAD_IN, ERROR, STEP_END = range(1, 7)
+_QUIET = 2  # a REQUEST's flag (header[5], beside "push"): Note [Quiet calls]
 _FETCH = -1  # the module index of a REQUEST that asks for an earlier call's outputs
 _SLICE = -1  # the call id of a worker's local interval boundary (no remote call)
 _BATON_WAITS = 2  # the server waits this many timeout_s at most for a worker to yield
@@ -66,6 +67,35 @@ def _fresh_tag(state: State) -> int:
     creates runtimes and fails steps in the same order, so the ranks draw the same tags."""
     counter = state.__dict__.setdefault("_smp_pipeline_tags", itertools.count(_TAG))
     return next(counter)
+
+
+# Note [Quiet calls]
+# A call of the step function that returns futures at once (its output structure predicted),
+# whose outputs stay on the owner (not pushed), whose arguments need no gradient back (the
+# next layer of a chain on one stage: its input is the last layer's output, held there) and
+# whose module's last answered call with these arguments called no other stage (a flag of the
+# REPLY) is *quiet*: the owner sends neither REPLY nor GRAD_IN for it, the caller waits for
+# neither, and only the REQUEST and the caller's GRAD_OUT travel. The REQUEST carries the
+# digest of the structure the caller continued with. Otherwise a REPLY says what an
+# asynchronous call's owner knows once its forward has run: the structure (checked against
+# the prediction) and that nothing else happened; a GRAD_IN without gradients only says that
+# its backward is done. On the HF Llama of benchmarks/pipeline_hf_llama.py that is 10 of the
+# 36 messages of a microbatch (the norm, the head and the loss's ops on the logits).
+# - The owner answers a quiet call only when it went otherwise: outputs of another structure
+#   (a REPLY with the skeleton), or a call to another stage (an empty REPLY, before that call
+#   is sent: the caller may be at the end of its step, no longer serving). The caller then
+#   raises CallStructureChanged, wherever it is in the step (its loop or _await_stage_ends),
+#   and the step runs again (smp.step) with that module's calls answered (``loud``). So a
+#   quiet call never calls another stage: its backward sends nothing back either.
+# - Nobody waits for its end, so the stage serving it does not leave the step while it has one
+#   whose forward is not done, or whose backward its caller has begun (GRAD_OUT arrived) and is
+#   not done (PipelineServer.hold_open). What such a call waits for is on its way: its inputs,
+#   its consumers' gradients, from the caller (its GRAD_OUTs precede its STEP_END) or from
+#   this or a third stage (each stage finishes its calls before it leaves).
+# - The leader's microbatch may finish before a quiet call's backward; the schedule only sees
+#   its microbatches' end earlier, the step's end still waits for every stage's STEP_END.
+# Not from a served call (whose REPLY must mean that every call it made is done) nor with TP
+# (no predictions there).
 
 
 class CallStructureChanged(RuntimeError):
@@ -100,6 +130,7 @@ class _Call:
     used: bool = False  # an output was resolved here (not only passed on by reference)
     fetch_of: _Call | None = None  # a FETCH: the call whose outputs it brings
     fetch: _Call | None = None  # the FETCH sent for this call's outputs
+    quiet: bool = False  # no REPLY or GRAD_IN comes unless it went otherwise (Note [Quiet calls])
 
 
 @dataclasses.dataclass
@@ -383,6 +414,11 @@ class _Worker:
         self.mode: CallMode | None = None  # served: the caller's thread state (REQUEST)
         self.backward_started = False
         self.completed = False  # served: GRAD_IN sent
+        # served: a quiet call (Note [Quiet calls]): the predicted output structure's digest,
+        # and whether the caller has been told that the call went otherwise
+        self.quiet = False
+        self.quiet_digest = 0
+        self.quiet_refused = False
         self.replied = False  # served: REPLY sent (its outputs are known)
         self.push = True  # served: the REPLY carries the outputs
         self.skeleton: torch.Tensor | None = None  # served: the outputs' skeleton
@@ -709,6 +745,7 @@ class PipelineRuntime:
         # Whether the caller used (resolved) a key's outputs the last time it finished a worker.
         self.push_outputs = LRU()
         self.unstable = LRU()  # keys never predicted again (while they stay in the table)
+        self.loud = LRU()  # keys whose calls are answered again (Note [Quiet calls])
         self.threads = self._held.threads
         # Zero-bubble split (design.md §4g): stages other than the leader's compute a served
         # call's input gradients first and its weight gradients when idle. Not with TP (its
@@ -854,6 +891,8 @@ class PipelineRuntime:
         futures at once (design.md §4c); any other call suspends the worker until REPLY."""
         if worker.aborted:  # its step is over (it ran past the baton's bound): it must not send
             raise _Abort()
+        if worker.quiet and not worker.quiet_refused:
+            self._refuse_quiet(worker)  # nobody waits for its end: the caller must run again
         call_id = next(self._call_ids)
 
         originals: list = []  # what the reply's Sent markers name (the caller's own tensors)
@@ -898,6 +937,7 @@ class PipelineRuntime:
         call = _Call(call_id, owner, worker, grad, sent, [segments.edge_of(t) for t in sent], path)
         worker.calls.append(call)
         prediction = None
+        quiet = False
         # With tensor parallelism every decision here must be the same on every TP rank of the
         # stage (they run one task order, design.md §6a), but their arguments may differ (a
         # padding mask on one rank, None on another; smp/nn/region.py), and with them the keys,
@@ -907,25 +947,38 @@ class PipelineRuntime:
             prediction = self.predictions.get(call.key)
             # Outputs only passed on by reference last time need not come back (FETCH if used).
             call.push = prediction is None or self.push_outputs.get(call.key, True)
-        header = [REQUEST, worker.microbatch, call_id, index, mode.encode(), int(call.push)]
-        header.append(len(refs))
+            # Note [Quiet calls]: nothing comes back that the step function could wait for.
+            quiet = (
+                prediction is not None
+                and prediction[3]  # its last call called no other stage
+                and not call.push
+                and not sent
+                and worker.served is None
+                and call.key not in self.loud
+            )
+        flags = int(call.push) | _QUIET * quiet
+        header = [REQUEST, worker.microbatch, call_id, index, mode.encode(), flags, len(refs)]
         for slot, ref in refs:
             header += [slot, ref.stage, ref.call_id, ref.slot]
         worker.calls_made += 1
         header.append(_mix(worker.rng_key, worker.calls_made))  # the served call's stream
-        self._expect_reply(call, call_id, worker.microbatch)
+        if quiet:
+            header.append(prediction[2])  # the digest of the structure it continues with
+            call.quiet = True
+            self.quiet_calls[call_id] = call
+        self._expect_reply(call, call_id, worker.microbatch)  # a quiet call's, if it goes otherwise
         # The arguments belong to the caller's code, which may modify them in place once this
         # returns: the message carries copies (cheaper than waiting for the peer to take it).
         payload = [t.detach().clone() for t in real]
         self.sender.send(owner, header, [skeleton, *payload])
         worker.new_interval()
-        worker.replies_due += 1
+        worker.replies_due += not quiet
         if prediction is None:  # synchronous: wait for the outputs
             call.used = True  # handed to the caller's code as they are
             worker.wait_for(call)
             reply = messages.fill(call.structure, call.values, self.modules, originals)
         else:
-            call.predicted, predicted = prediction
+            call.predicted, predicted = prediction[:2]
             futures = [_Future(call, i) for i in range(len(predicted.flags))]
             reply = messages.fill(predicted, futures, self.modules, originals)
         result, changed = reply
@@ -959,6 +1012,8 @@ class PipelineRuntime:
             self._peer_input_arrived(call, message)
             return
         worker = call.worker
+        if call.quiet:
+            self._quiet_answered(call, message[2][0] if message[2] else None)
         skeleton, tensors = message[2][0], message[2][1:]
         if call.fetch_of is not None:  # the outputs of an earlier call, fetched
             self._take_outputs(call.fetch_of, messages.Skeleton.of(skeleton), tensors)
@@ -967,23 +1022,43 @@ class PipelineRuntime:
         cleared = messages.Skeleton.of(skeleton)
         key = cleared.blob
         if call.predicted is not None and key != call.predicted:
-            self.unstable.add(call.key)
-            self.predictions.pop(call.key, None)
-            raise CallStructureChanged(
-                f"smp: module '{call.path}' (pipeline stage {call.owner}) returned "
-                f"{messages.describe(cleared)}, but its earlier calls with the same arguments "
-                f"returned {messages.describe(messages.Skeleton(call.predicted, ()))}, and "
-                "the step function had continued with that (asynchronous pipeline calls, "
-                "design.md §4c). "
-                "The module's calls wait for their outputs from now on; "
-                '"pipeline_async_calls": False makes every call wait.'
-            )
+            self._structure_changed(call, cleared)
         if call.key is not None and call.key not in self.unstable:
-            self.predictions[call.key] = (key, cleared)
+            # (structure, skeleton, its digest, whether the call called no other stage)
+            self.predictions[call.key] = (key, cleared, messages.digest(key), message[1][3] == 1)
         call.structure = cleared
         if call.push:
             self._take_outputs(call, cleared, tensors)
         self._replied(worker, call)
+
+    def _structure_changed(self, call: _Call, cleared: messages.Skeleton) -> None:
+        """Raises CallStructureChanged: ``call`` returned ``cleared``, not what was predicted."""
+        self.unstable.add(call.key)
+        self.predictions.pop(call.key, None)
+        raise CallStructureChanged(
+            f"smp: module '{call.path}' (pipeline stage {call.owner}) returned "
+            f"{messages.describe(cleared)}, but its earlier calls with the same arguments "
+            f"returned {messages.describe(messages.Skeleton(call.predicted, ()))}, and "
+            "the step function had continued with that (asynchronous pipeline calls, "
+            "design.md §4c). "
+            "The module's calls wait for their outputs from now on; "
+            '"pipeline_async_calls": False makes every call wait.'
+        )
+
+    def _quiet_answered(self, call: _Call, skeleton: torch.Tensor | None) -> None:
+        """A quiet call's owner answered (Note [Quiet calls]): the call went otherwise than the
+        step function had assumed. Raises CallStructureChanged; the step runs again, with the
+        module's calls answered from then on."""
+        self.loud.add(call.key)
+        if skeleton is not None:  # its outputs' structure changed
+            self._structure_changed(call, messages.Skeleton.of(skeleton))
+        raise CallStructureChanged(
+            f"smp: module '{call.path}' (pipeline stage {call.owner}) called another pipeline "
+            "stage, which its earlier calls with the same arguments had not done, and the step "
+            "function had not waited for it to finish (asynchronous pipeline calls, design.md "
+            "§4c). The module's calls are waited for from now on; "
+            '"pipeline_async_calls": False makes every call wait.'
+        )
 
     def _take_outputs(self, call: _Call, skeleton: messages.Skeleton, tensors) -> None:
         for slot, tensor in zip(messages.slots_of(skeleton), tensors):
@@ -1053,6 +1128,8 @@ class PipelineRuntime:
         # remembering a tensor must not keep it alive past its last use.
         self.sent_inputs: dict[tuple[int, int], dict[int, tuple]] = {}
         self.step_workers: dict[int, _Worker] = {}  # microbatch -> leader worker
+        self.quiet_calls: dict[int, _Call] = {}  # call id -> this rank's quiet call
+        self.quiet_open = 0  # served quiet calls this rank must still finish (hold_open)
         self.backward_calls = 0
         self.done_mb: set[int] = set()
         self.step_fn, self.step_calls = step_fn, calls
@@ -1194,6 +1271,8 @@ class PipelineRuntime:
             if header[0] == ERROR:
                 text = bytes(tensors[0].numpy()).decode() if tensors else "another stage failed"
                 raise _C.RemoteStageError(text)
+            if header[0] == REPLY and header[2] in self.quiet_calls:
+                self._quiet_answered(self.quiet_calls[header[2]], tensors[0] if tensors else None)
             if header[0] != STEP_END:
                 raise RuntimeError(
                     f"smp pipeline: stage {peer} sent message kind {header[0]} after the step "
@@ -1323,8 +1402,16 @@ class PipelineRuntime:
         skeleton, tensors = messages.pack(worker.result, resolve if sent else None, self.module_ids)
         worker.out_tensors, worker.skeleton = tensors, skeleton
         worker.replied = True
-        reply = [REPLY, worker.microbatch, call_id]
-        self.sender.send(caller, reply, [skeleton, *tensors] if worker.push else [skeleton])
+        reply = [REPLY, worker.microbatch, call_id, int(worker.calls_made == 0)]
+        if not worker.quiet:
+            self.sender.send(caller, reply, [skeleton, *tensors] if worker.push else [skeleton])
+        else:
+            self._hold(-1)  # its forward is done
+            if not worker.quiet_refused:
+                blob = messages.Skeleton.of(skeleton).blob
+                if messages.digest(blob) != worker.quiet_digest:  # the caller learns, and reruns
+                    worker.quiet_refused = True
+                    self.sender.send(caller, reply, [skeleton])
         for stage, fetch, slot in worker.fetches:
             self._send_outputs(stage, fetch, worker, slot)
         worker.fetches = []
@@ -1437,7 +1524,7 @@ class PipelineRuntime:
             self._start(worker)
 
     def _served_worker(self, worker_id: int, peer: int, header: list[int], tensors) -> _Worker:
-        mb, call_id, index, mode, push, n_refs = header[1:7]
+        mb, call_id, index, mode, flags, n_refs = header[1:7]
         refs = {header[7 + 4 * i]: tuple(header[8 + 4 * i : 11 + 4 * i]) for i in range(n_refs)}
         skeleton, payload = tensors[0], list(tensors[1:])
         worker = _Worker(self, mb, lambda: None, worker_id)
@@ -1446,7 +1533,11 @@ class PipelineRuntime:
         worker.grad = worker.mode.grad and self.step_context.mode.grad
         worker.awaiting = int(worker.grad)  # the caller's GRAD_OUT
         worker.served = (peer, call_id)
-        worker.push = bool(push)
+        worker.push = bool(flags & 1)
+        if flags & _QUIET:
+            worker.quiet = True
+            worker.quiet_digest = header[8 + 4 * n_refs]
+            self._hold(+1)  # until its forward is done
         worker.module_path = self.paths[index] or "<root>"
         self.served_calls[(peer, call_id)] = worker
         self.workers[worker_id] = worker  # a GRAD_OUT may come before it starts
@@ -1520,6 +1611,8 @@ class PipelineRuntime:
         """GRAD_OUT reached a served call: its backward may start."""
         for slot, grad in zip(header[3:], tensors):
             _add(worker.out_grads_acc, slot, grad)
+        if worker.quiet and worker.grad and (peer, header[2]) == worker.served:
+            self._hold(+1)  # its caller's backward reached it: until its own is done
         worker.awaiting -= 1
         self._maybe_served_backward(worker)
 
@@ -1694,10 +1787,13 @@ class PipelineRuntime:
                 # answers GRAD_IN when it has. Only gradients this rank needs are waited for.
                 out = [(s, worker.leaf_grads.pop(id(leaf), None)) for s, leaf in call.out_leaves]
                 out = [(s, g) for s, g in out if g is not None]
-                task_id = self.server.new_id()
-                self.grad_tasks[task_id] = call
-                worker.acks_due += 1
-                self.server.expect(call.call_id, _C.TaskKind.BACKWARD, worker.microbatch, task_id)
+                if not call.quiet:  # a quiet call's owner does not acknowledge it
+                    task_id = self.server.new_id()
+                    self.grad_tasks[task_id] = call
+                    worker.acks_due += 1
+                    self.server.expect(
+                        call.call_id, _C.TaskKind.BACKWARD, worker.microbatch, task_id
+                    )
                 self.sender.send(
                     call.owner,
                     [GRAD_OUT, worker.microbatch, call.call_id, *(s for s, _ in out)],
@@ -1731,6 +1827,18 @@ class PipelineRuntime:
             )
         self._maybe_served_complete(worker)
 
+    def _hold(self, change: int) -> None:
+        """Counts the quiet calls this rank serves whose forward, or whose backward that has
+        begun, is not done: the step does not end here before they are (Note [Quiet calls])."""
+        self.quiet_open += change
+        self.server.hold_open = self.quiet_open > 0
+
+    def _refuse_quiet(self, worker: _Worker) -> None:
+        """A quiet call is calling another stage: its caller, which does not wait for its end,
+        is told (an empty REPLY) and runs the step again with the module's calls answered."""
+        worker.quiet_refused = True
+        self.sender.send(worker.served[0], [REPLY, worker.microbatch, worker.served[1]], [])
+
     def _maybe_served_complete(self, worker: _Worker) -> None:
         """GRAD_IN to the caller once this call's backward is done and every call it made has
         acknowledged its own (so the caller learns when the whole subtree is complete)."""
@@ -1740,6 +1848,9 @@ class PipelineRuntime:
         caller, call_id = worker.served
         grads = [worker.leaf_grads.pop(id(leaf), None) for _, leaf in worker.input_leaves]
         present = [i for i, g in enumerate(grads) if g is not None]
+        if worker.quiet:  # its inputs needed no gradient (the caller sent none that did)
+            self._hold(-1)
+            return
         self.sender.send(
             caller, [GRAD_IN, worker.microbatch, call_id, *present], [grads[i] for i in present]
         )

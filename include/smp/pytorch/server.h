@@ -82,7 +82,8 @@ class PipelineServer {
 
   /// Reads every queued message, then returns the next task to run: waits up to `timeout` for a
   /// message while nothing is runnable. Returns std::nullopt when the step is over on this rank:
-  /// on the leader when every microbatch has finished, elsewhere when STEP_END has arrived.
+  /// on the leader when every microbatch has finished, elsewhere when STEP_END has arrived and
+  /// hold_open() is false.
   /// Throws RemoteStageError for an ERROR message, TransportError on a transport failure, and
   /// TransportError naming the queued work if nothing arrives within `timeout`.
   std::optional<ServerTask> next(std::chrono::milliseconds timeout);
@@ -91,6 +92,10 @@ class PipelineServer {
   ServerPolicy& policy() { return policy_; }
   /// The leader's number of model.backward calls, as announced by STEP_END (non-leaders).
   int64_t announced_backward_calls() const { return announced_backward_calls_; }
+  /// While set, next() does not end the step at STEP_END (non-leaders): this rank still serves
+  /// calls whose end nobody waits for (quiet calls), and it waits for what they need.
+  void set_hold_open(bool hold) { hold_open_ = hold; }
+  bool hold_open() const { return hold_open_; }
 
  private:
   struct Held {
@@ -106,6 +111,7 @@ class PipelineServer {
   ServerPolicy policy_;
   bool is_leader_;
   bool ended_ = false;
+  bool hold_open_ = false;
   int64_t announced_backward_calls_ = 0;
   int64_t next_id_ = 1 << 20;  // above any microbatch index
   // (call id, kind) -> worker. Keyed by kind too: a caller may send GRAD_OUT for a call whose

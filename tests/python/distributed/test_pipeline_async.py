@@ -6,6 +6,8 @@ fails it clearly)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,6 +118,8 @@ def test_chain_and_changing_calls_are_exact(pools, options):
 
 class Flaky(nn.Module):
     """Returns (h,) until ``extra`` is set, then (h, h.sum()): same arguments, new structure.
+    Once ``call_out`` is set it also calls ``helper`` (placed on another stage by some tests):
+    same arguments and structure, but a call of another stage.
     Its batch norm's running statistics change at every call in training mode, and so does
     ``calls`` once ``count`` is set."""
 
@@ -123,11 +127,14 @@ class Flaky(nn.Module):
         super().__init__()
         self.fc = nn.Linear(16, 16)
         self.bn = nn.BatchNorm1d(16)
+        self.helper = nn.Linear(16, 16)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
-        self.extra = self.count = False
+        self.extra = self.count = self.call_out = False
 
     def forward(self, h):
         h = self.bn(self.fc(h))
+        if self.call_out:
+            h = h + self.helper(h)
         if self.count:
             self.calls += 1
         return (h, h.sum()) if self.extra else (h,)
@@ -144,23 +151,49 @@ class UsesFlaky(nn.Module):
         return self.head(self.flaky(self.a(x))[0])
 
 
-def _flaky_models(smp):
+class UsesFlakyInAChain(UsesFlaky):
+    """``flaky`` between two blocks of its stage: its input comes from there and its outputs
+    stay there, so once its structure is known its calls are quiet (Note [Quiet calls] in
+    smp/pipeline/runtime.py): its stage sends no REPLY and no GRAD_IN for them. The root calls
+    ``flaky.helper`` too (so that the partitioner places it where it is pinned)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.post = Block(), Block()
+
+    def forward(self, x):
+        h = self.pre(self.flaky.helper(self.a(x)))
+        return self.head(self.post(self.flaky(h)[0]))
+
+
+def _flaky_models(smp, kind: str = "pushed"):
+    make = UsesFlaky if kind == "pushed" else UsesFlakyInAChain
     torch.manual_seed(0)
-    reference = UsesFlaky()
+    reference = make()
     torch.manual_seed(0)
-    module = UsesFlaky()
+    module = make()
+    if kind != "pushed":  # the root too: else the stage-1 root (by crossings) calls flaky
+        smp.set_partition(module, 0)
     smp.set_partition(module.a, 0)
     smp.set_partition(module.head, 0)
-    smp.set_partition(module.flaky, 1)
+    for name, child in module.named_children():
+        if name not in ("a", "head"):
+            smp.set_partition(child, 1)
+    smp.set_partition(module.flaky.helper, 1 if kind == "pushed" else 0)
     return module, reference, smp.DistributedModel(module)
 
 
-def _structure_worker():
+def _structure_worker(kind: str):
     import smp
     from smp.pipeline import runtime
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
-    module, reference, model = _flaky_models(smp)
+    module, reference, model = _flaky_models(smp, kind)
+    with _count_sent(runtime, 1, 0, (runtime.REPLY, runtime.GRAD_IN)) as replies:
+        return _structure_steps(smp, runtime, module, reference, model, kind, replies)
+
+
+def _structure_steps(smp, runtime, module, reference, model, kind, replies):
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
 
@@ -173,16 +206,24 @@ def _structure_worker():
 
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))]
-    batches *= 4
-    reruns = []
+    # With flaky's outputs left on its stage, its calls are quiet from step 2 (step 1 learns
+    # that the leader does not use them): the change comes a step later there.
+    at = 2 if kind == "pushed" else 3
+    batches *= at + 2
+    reruns, replied = [], []
     for step, (x, y) in enumerate(batches):
-        # Step 2 changes flaky's output structure: the leader had continued with the old one.
-        module.flaky.extra = reference.flaky.extra = step >= 2
+        # Step 2 changes flaky's output structure (or makes it call the leader's stage): the
+        # leader had continued with the old one (or not waited for its end).
+        change = "call_out" if kind == "calls_out" else "extra"
+        setattr(module.flaky, change, step >= at)
+        setattr(reference.flaky, change, step >= at)
+        replies[:] = [0, 0]
         module.flaky.count = reference.flaky.count = step >= 1  # saved from step 2 on
         torch.manual_seed(100 + step)
         optimizer.zero_grad()
         loss, draws = train_step(model, x, y)
         reruns.append(model._runtime.reruns)
+        replied.append(tuple(replies))
         # Each microbatch draws from its own stream, keyed by one draw of the leader's
         # generator per step (design.md §4j); a rerun restores the generator first.
         torch.manual_seed(100 + step)
@@ -208,12 +249,45 @@ def _structure_worker():
     for (n, p), q in zip(model.module.named_parameters(), reference.parameters()):
         if model.partition_plan.assignment[n.rpartition(".")[0]] == smp.pp_rank():
             torch.testing.assert_close(p, q, **TOL)
-    return reruns
+    return reruns, replied
 
 
-def test_changed_output_structure_runs_the_step_again_exactly(pools):
-    # Every rank ran step 2 twice, and step 3 once: flaky's calls wait from then on.
-    assert pools.run(2, _structure_worker) == [[0, 0, 1, 1], [0, 0, 1, 1]]
+@contextlib.contextmanager
+def _count_sent(runtime, stage: int, peer: int, kinds: tuple[int, ...]):
+    """Counts the messages of each of ``kinds`` that stage ``stage`` hands its sender for
+    ``peer``."""
+    import smp
+
+    count = [0] * len(kinds)
+    send = runtime.Sender.send
+
+    def counting_send(self, to, header, tensors, wait=False):
+        if smp.pp_rank() == stage and to == peer and header[0] in kinds:
+            count[kinds.index(header[0])] += 1
+        return send(self, to, header, tensors, wait)
+
+    runtime.Sender.send = counting_send
+    try:
+        yield count
+    finally:
+        runtime.Sender.send = send
+
+
+@pytest.mark.parametrize("kind", ["pushed", "quiet", "calls_out"])
+def test_changed_output_structure_runs_the_step_again_exactly(pools, kind):
+    # Every rank ran the step of the change twice, and the next once: flaky's calls wait (or
+    # are answered) from then on.
+    (reruns, _), (other, replied) = pools.run(2, _structure_worker, kind)  # stage 1 replies
+    # (REPLYs, GRAD_INs) from stage 1 per step
+    if kind == "pushed":  # every call of a stage-1 module is answered
+        assert reruns == other == [0, 0, 1, 1], (reruns, other)
+        assert replied[:2] == [(2, 2)] * 2 and replied[3] == (2, 2), replied
+    else:
+        assert reruns == other == [0, 0, 0, 1, 1], (reruns, other)
+        # pre, flaky and post, per microbatch, until flaky's calls are quiet (step 2); then
+        # only pre (whose input needs its gradient back) and post (whose outputs the leader
+        # uses); after the change flaky's calls are answered again.
+        assert [replied[i] for i in (0, 2, 4)] == [(6, 6), (4, 4), (6, 6)], replied
 
 
 def _unsaved_buffer_worker():
@@ -378,6 +452,71 @@ def test_outputs_go_straight_to_the_stage_that_consumes_them(pools):
     # Variant 1 (steps 3, 4): b1's output goes to stage 2 directly and b4 by reference; after
     # step 3 the leader fetches it only because it uses it itself.
     assert stage2[4]["peer_inputs"] == m and stage3[4]["peer_inputs"] == m, per_rank
+
+
+class Dangling(nn.Module):
+    """``a`` and ``head`` on stage 0, ``b3`` on stage 1, ``b2`` on stage 2. ``b2`` takes the data
+    (no gradient goes back) and its output goes straight to ``b3``: once the leader has learned
+    that it does not use that output, ``b2``'s calls are quiet (Note [Quiet calls]), and its
+    gradient comes from stage 1 only, on a channel that the leader's end of the step does not
+    order."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b2, self.b3 = Block(), Block()
+        self.head = nn.Linear(16, 3)
+        self.variant = 0
+
+    def forward(self, x):
+        v = self.b2(torch.cat([x, x], dim=1))
+        return self.head(self.a(x) + self.b3(v))
+
+
+def _dangling_worker():
+    import smp
+    from smp.pipeline import runtime
+
+    smp.init({"pipeline_parallel_degree": 3, "microbatches": 4, "timeout_s": 30})
+    send = runtime.Sender.send
+    late = [False]  # this step, stage 1 sends its gradients for b2 only after its STEP_END
+    held: list = []
+    replies = [0]  # REPLYs from stage 2 to the leader this step
+
+    def reordering_send(self, to, header, tensors, wait=False):
+        replies[0] += smp.pp_rank() == 2 and to == 0 and header[0] == runtime.REPLY
+        if late[0] and to == 2 and header[0] == runtime.GRAD_OUT:
+            held.append((self, to, header, tensors))
+            return None
+        send(self, to, header, tensors, wait)
+        if header[0] == runtime.STEP_END:
+            while held:
+                send(*held.pop(0))
+        return None
+
+    def place(module):
+        for name, stage in [("a", 0), ("head", 0), ("b3", 1), ("b2", 2)]:
+            smp.set_partition(getattr(module, name), stage)
+        smp.set_partition(module, 0)
+
+    def before_step(step, module):
+        late[0] = step >= 2 and smp.pp_rank() == 1
+        replies[0] = 0
+
+    runtime.Sender.send = reordering_send
+    try:
+        return exact_steps(
+            smp, Dangling, place, [0] * 4, 13, 4, before_step, lambda step: replies[0]
+        )  # fmt: skip
+    finally:
+        runtime.Sender.send = send
+
+
+def test_a_stage_stays_for_quiet_calls_still_waiting_for_gradients(pools):
+    # From step 2 b2's calls are quiet (stage 2 sends the leader no REPLY), and stage 1 sends
+    # b2's gradients after its end of step: stage 2 waited for them, and every step is exact.
+    replies = pools.run(3, _dangling_worker)[2]
+    assert replies[0] == 4 and replies[2:] == [0, 0], replies
 
 
 class Failing(Block):
