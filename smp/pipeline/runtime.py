@@ -70,32 +70,34 @@ def _fresh_tag(state: State) -> int:
 
 
 # Note [Quiet calls]
-# A call of the step function that returns futures at once (its output structure predicted),
-# whose outputs stay on the owner (not pushed), whose arguments need no gradient back (the
-# next layer of a chain on one stage: its input is the last layer's output, held there) and
-# whose module's last answered call with these arguments called no other stage (a flag of the
-# REPLY) is *quiet*: the owner sends neither REPLY nor GRAD_IN for it, the caller waits for
-# neither, and only the REQUEST and the caller's GRAD_OUT travel. The REQUEST carries the
-# digest of the structure the caller continued with. Otherwise a REPLY says what an
-# asynchronous call's owner knows once its forward has run: the structure (checked against
-# the prediction) and that nothing else happened; a GRAD_IN without gradients only says that
-# its backward is done. On the HF Llama of benchmarks/pipeline_hf_llama.py that is 10 of the
-# 36 messages of a microbatch (the norm, the head and the loss's ops on the logits).
-# - The owner answers a quiet call only when it went otherwise: outputs of another structure
-#   (a REPLY with the skeleton), or a call to another stage (an empty REPLY, before that call
-#   is sent: the caller may be at the end of its step, no longer serving). The caller then
-#   raises CallStructureChanged, wherever it is in the step (its loop or _await_stage_ends),
-#   and the step runs again (smp.step) with that module's calls answered (``loud``). So a
-#   quiet call never calls another stage: its backward sends nothing back either.
+# A call of the step function that returns futures at once (its output structure predicted), whose
+# outputs stay on the owner (not pushed), whose arguments need no gradient back or got none back
+# from the last answered call with the same key (the next layer of a chain on one stage: its input
+# is the last layer's output, held there, and an HF cache holds other layers' keys and values,
+# which it does not read) and whose module's last answered call called no other stage (a flag of
+# the REPLY) is *quiet*: the owner sends neither REPLY nor GRAD_IN for it, the caller waits for
+# neither, and only the REQUEST and the caller's GRAD_OUT travel. The REQUEST carries the digest
+# of the structure the caller continued with. Otherwise a REPLY says what an asynchronous call's
+# owner knows once its forward has run: the structure (checked against the prediction) and that
+# nothing else happened; a GRAD_IN without gradients only says that its backward is done. On the
+# HF Llama of benchmarks/pipeline_hf_llama.py 7 of the 9 calls of a microbatch are quiet (layers 6
+# and 7, the norm, the head, three of the loss's four ops on the logits): 22 messages instead of
+# 36, and the leader's backward waits once, not thrice.
+# - The owner answers a quiet call only when it went otherwise: outputs of another structure (a
+#   REPLY with the skeleton), gradients for its arguments (a GRAD_IN), or a call to another stage
+#   (an empty REPLY, before that call is sent: the caller may be at the end of its step, no longer
+#   serving). The caller then raises CallStructureChanged, wherever it is in the step (its loop or
+#   _await_stage_ends), and the step runs again (smp.step) with that module's calls answered
+#   (``loud``). So a quiet call never calls another stage: its backward sends nothing back either.
 # - Nobody waits for its end, so the stage serving it does not leave the step while it has one
 #   whose forward is not done, or whose backward its caller has begun (GRAD_OUT arrived) and is
-#   not done (PipelineServer.hold_open). What such a call waits for is on its way: its inputs,
-#   its consumers' gradients, from the caller (its GRAD_OUTs precede its STEP_END) or from
-#   this or a third stage (each stage finishes its calls before it leaves).
-# - The leader's microbatch may finish before a quiet call's backward; the schedule only sees
-#   its microbatches' end earlier, the step's end still waits for every stage's STEP_END.
-# Not from a served call (whose REPLY must mean that every call it made is done) nor with TP
-# (no predictions there).
+#   not done (PipelineServer.hold_open). What such a call waits for is on its way: its inputs, its
+#   consumers' gradients, from the caller (its GRAD_OUTs precede its STEP_END) or from this or a
+#   third stage (each stage finishes its calls before it leaves).
+# - The leader's microbatch may finish before a quiet call's backward; the schedule only sees its
+#   microbatches' end earlier, the step's end still waits for every stage's STEP_END.
+# Not from a served call (whose REPLY must mean that every call it made is done) nor with TP (no
+# predictions there).
 
 
 class CallStructureChanged(RuntimeError):
@@ -746,6 +748,9 @@ class PipelineRuntime:
         self.push_outputs = LRU()
         self.unstable = LRU()  # keys never predicted again (while they stay in the table)
         self.loud = LRU()  # keys whose calls are answered again (Note [Quiet calls])
+        # Whether the last GRAD_IN of a key's call that sent tensors requiring grad brought any
+        # of their gradients (a call that sent some but got none back may be quiet).
+        self.grads_back = LRU()
         self.threads = self._held.threads
         # Zero-bubble split (design.md §4g): stages other than the leader's compute a served
         # call's input gradients first and its weight gradients when idle. Not with TP (its
@@ -952,7 +957,7 @@ class PipelineRuntime:
                 prediction is not None
                 and prediction[3]  # its last call called no other stage
                 and not call.push
-                and not sent
+                and (not sent or self.grads_back.get(call.key) is False)
                 and worker.served is None
                 and call.key not in self.loud
             )
@@ -1045,13 +1050,23 @@ class PipelineRuntime:
             '"pipeline_async_calls": False makes every call wait.'
         )
 
-    def _quiet_answered(self, call: _Call, skeleton: torch.Tensor | None) -> None:
+    def _quiet_answered(
+        self, call: _Call, skeleton: torch.Tensor | None, gradients: bool = False
+    ) -> None:
         """A quiet call's owner answered (Note [Quiet calls]): the call went otherwise than the
         step function had assumed. Raises CallStructureChanged; the step runs again, with the
         module's calls answered from then on."""
         self.loud.add(call.key)
         if skeleton is not None:  # its outputs' structure changed
             self._structure_changed(call, messages.Skeleton.of(skeleton))
+        if gradients:
+            raise CallStructureChanged(
+                f"smp: module '{call.path}' (pipeline stage {call.owner}) returned gradients "
+                "for arguments that its earlier calls with the same arguments had returned "
+                "none for, and the backward had gone on without waiting for them (asynchronous "
+                "pipeline calls, design.md §4c). The module's calls are waited for from now on; "
+                '"pipeline_async_calls": False makes every call wait.'
+            )
         raise CallStructureChanged(
             f"smp: module '{call.path}' (pipeline stage {call.owner}) called another pipeline "
             "stage, which its earlier calls with the same arguments had not done, and the step "
@@ -1271,8 +1286,9 @@ class PipelineRuntime:
             if header[0] == ERROR:
                 text = bytes(tensors[0].numpy()).decode() if tensors else "another stage failed"
                 raise _C.RemoteStageError(text)
-            if header[0] == REPLY and header[2] in self.quiet_calls:
-                self._quiet_answered(self.quiet_calls[header[2]], tensors[0] if tensors else None)
+            if header[0] in (REPLY, GRAD_IN) and header[2] in self.quiet_calls:
+                skeleton = tensors[0] if header[0] == REPLY and tensors else None
+                self._quiet_answered(self.quiet_calls[header[2]], skeleton, header[0] == GRAD_IN)
             if header[0] != STEP_END:
                 raise RuntimeError(
                     f"smp pipeline: stage {peer} sent message kind {header[0]} after the step "
@@ -1620,6 +1636,10 @@ class PipelineRuntime:
         """GRAD_IN: the owner's backward of ``call`` (and of every call it made) is complete.
         When the caller sent tensors that require grad, it carries their gradients and the
         caller's backward continues; otherwise it only acknowledges."""
+        if call.quiet:
+            self._quiet_answered(call, None)
+        if call.sent and call.key is not None:
+            self.grads_back[call.key] = bool(tensors)
         worker = call.worker
         worker.acks_due -= 1
         if call.sent:
@@ -1787,10 +1807,10 @@ class PipelineRuntime:
                 # answers GRAD_IN when it has. Only gradients this rank needs are waited for.
                 out = [(s, worker.leaf_grads.pop(id(leaf), None)) for s, leaf in call.out_leaves]
                 out = [(s, g) for s, g in out if g is not None]
-                if not call.quiet:  # a quiet call's owner does not acknowledge it
-                    task_id = self.server.new_id()
-                    self.grad_tasks[task_id] = call
-                    worker.acks_due += 1
+                if not call.quiet or call.sent:  # (a quiet call's GRAD_IN: its arguments'
+                    task_id = self.server.new_id()  # gradients after all, which it had not
+                    self.grad_tasks[task_id] = call  # brought before)
+                    worker.acks_due += not call.quiet
                     self.server.expect(
                         call.call_id, _C.TaskKind.BACKWARD, worker.microbatch, task_id
                     )
@@ -1799,7 +1819,7 @@ class PipelineRuntime:
                     [GRAD_OUT, worker.microbatch, call.call_id, *(s for s, _ in out)],
                     [g for _, g in out],
                 )
-                if call.sent:
+                if call.sent and not call.quiet:
                     return  # continues when GRAD_IN arrives
             roots, grads = self._pending_roots(worker, j - 1)
 
@@ -1848,9 +1868,11 @@ class PipelineRuntime:
         caller, call_id = worker.served
         grads = [worker.leaf_grads.pop(id(leaf), None) for _, leaf in worker.input_leaves]
         present = [i for i, g in enumerate(grads) if g is not None]
-        if worker.quiet:  # its inputs needed no gradient (the caller sent none that did)
+        if worker.quiet:
             self._hold(-1)
-            return
+            if not present or worker.quiet_refused:
+                return
+            worker.quiet_refused = True  # gradients after all: the caller learns, and reruns
         self.sender.send(
             caller, [GRAD_IN, worker.microbatch, call_id, *present], [grads[i] for i in present]
         )

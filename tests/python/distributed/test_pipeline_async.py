@@ -2,7 +2,8 @@
 trips, outputs used on the caller, passed on by reference, or both give exact gradients, a step
 whose calls change is still exact, and a module whose output structure changes makes smp run
 the step again, exactly, with that module's calls waiting (or, when the step cannot be undone,
-fails it clearly)."""
+fails it clearly). Calls whose REPLY and GRAD_IN would say nothing new are quiet, and each
+way such a call can go otherwise runs the step again, exactly."""
 
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ def test_chain_and_changing_calls_are_exact(pools, options):
 class Flaky(nn.Module):
     """Returns (h,) until ``extra`` is set, then (h, h.sum()): same arguments, new structure.
     Once ``call_out`` is set it also calls ``helper`` (placed on another stage by some tests):
-    same arguments and structure, but a call of another stage.
+    same arguments and structure, but a call of another stage. Once ``use_skip`` is set it adds
+    ``skip`` (which needs a gradient): a gradient for an argument that had got none.
     Its batch norm's running statistics change at every call in training mode, and so does
     ``calls`` once ``count`` is set."""
 
@@ -129,12 +131,14 @@ class Flaky(nn.Module):
         self.bn = nn.BatchNorm1d(16)
         self.helper = nn.Linear(16, 16)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
-        self.extra = self.count = self.call_out = False
+        self.extra = self.count = self.call_out = self.use_skip = False
 
-    def forward(self, h):
+    def forward(self, h, skip=None):
         h = self.bn(self.fc(h))
         if self.call_out:
             h = h + self.helper(h)
+        if self.use_skip:
+            h = h + skip
         if self.count:
             self.calls += 1
         return (h, h.sum()) if self.extra else (h,)
@@ -152,18 +156,19 @@ class UsesFlaky(nn.Module):
 
 
 class UsesFlakyInAChain(UsesFlaky):
-    """``flaky`` between two blocks of its stage: its input comes from there and its outputs
-    stay there, so once its structure is known its calls are quiet (Note [Quiet calls] in
-    smp/pipeline/runtime.py): its stage sends no REPLY and no GRAD_IN for them. The root calls
-    ``flaky.helper`` too (so that the partitioner places it where it is pinned)."""
+    """``flaky`` between two blocks of its stage: its input comes from there, its outputs stay
+    there, and its other argument (``skip``, from the leader's stage) gets no gradient while
+    it ignores it, so once the leader has learned all that, its calls are quiet (Note [Quiet
+    calls] in smp/pipeline/runtime.py): its stage sends no REPLY and no GRAD_IN for them. The
+    root calls ``flaky.helper`` (so that the partitioner places it where it is pinned)."""
 
     def __init__(self):
         super().__init__()
         self.pre, self.post = Block(), Block()
 
     def forward(self, x):
-        h = self.pre(self.flaky.helper(self.a(x)))
-        return self.head(self.post(self.flaky(h)[0]))
+        skip = self.flaky.helper(self.a(x))
+        return self.head(self.post(self.flaky(self.pre(skip), skip)[0]))
 
 
 def _flaky_models(smp, kind: str = "pushed"):
@@ -214,7 +219,7 @@ def _structure_steps(smp, runtime, module, reference, model, kind, replies):
     for step, (x, y) in enumerate(batches):
         # Step 2 changes flaky's output structure (or makes it call the leader's stage): the
         # leader had continued with the old one (or not waited for its end).
-        change = "call_out" if kind == "calls_out" else "extra"
+        change = {"calls_out": "call_out", "grads_back": "use_skip"}.get(kind, "extra")
         setattr(module.flaky, change, step >= at)
         setattr(reference.flaky, change, step >= at)
         replies[:] = [0, 0]
@@ -273,7 +278,7 @@ def _count_sent(runtime, stage: int, peer: int, kinds: tuple[int, ...]):
         runtime.Sender.send = send
 
 
-@pytest.mark.parametrize("kind", ["pushed", "quiet", "calls_out"])
+@pytest.mark.parametrize("kind", ["pushed", "quiet", "calls_out", "grads_back"])
 def test_changed_output_structure_runs_the_step_again_exactly(pools, kind):
     # Every rank ran the step of the change twice, and the next once: flaky's calls wait (or
     # are answered) from then on.
