@@ -1,6 +1,8 @@
 #include "smp/pytorch/server.h"
 
+#include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "smp/error.h"
 
@@ -32,7 +34,9 @@ void PipelineServer::dispatch(Message message) {
       const int64_t call_id = message.header.at(2);
       const int64_t id = new_id();  // the served call's worker, and its task
       served_[{message.peer, call_id}] = id;
-      unserved_.insert(id);
+      const int64_t seq = next_seq_++;
+      unserved_[id] = Unserved{message.peer, microbatch, seq};
+      unserved_seqs_[{message.peer, microbatch}].insert(seq);
       hold(id, id, std::move(message));
       policy_.push(TaskKind::kServeRequest, microbatch, id);
       return;
@@ -58,14 +62,14 @@ void PipelineServer::dispatch(Message message) {
       auto it = served_.find({message.peer, message.header.at(2)});
       SMP_INTERNAL_ASSERT(it != served_.end(), "gradients for an unknown served call from stage {}",
                           message.peer);
-      // A task of its own: the REQUEST of the same call may still be queued (the caller's
-      // backward passes a call whose outputs it dropped right after sending it). Runnable only
-      // once that REQUEST's task has been handed out.
+      // A task of its own, runnable once the REQUESTs before it are handed out (Note
+      // [Gradients after the requests before them]).
       const int64_t task = new_id();
-      const int64_t worker = it->second;
-      hold(task, worker, std::move(message));
-      if (unserved_.count(worker) != 0) {
-        parked_[worker].push_back({TaskKind::kBackward, microbatch, task});
+      const PeerMicrobatch key{message.peer, microbatch};
+      hold(task, it->second, std::move(message));
+      auto seqs = unserved_seqs_.find(key);
+      if (seqs != unserved_seqs_.end() && !seqs->second.empty()) {
+        parked_[key].push_back(Parked{next_seq_, Task{TaskKind::kBackward, microbatch, task}});
       } else {
         policy_.push(TaskKind::kBackward, microbatch, task);
       }
@@ -88,6 +92,41 @@ void PipelineServer::dispatch(Message message) {
                       message.peer);
 }
 
+// Note [Gradients after the requests before them]
+// A GRAD_OUT is runnable only once every REQUEST (or FETCH) that reached this rank before it
+// from the same peer, for the same microbatch, has been handed out. Handing a REQUEST out is
+// what makes its served call count, on the calls whose outputs it takes by reference, the
+// share of the gradient it will add (PipelineRuntime._served_worker): a producer whose
+// gradients all seem in starts its backward, and a consumer served after that fails the step.
+// The caller sends a microbatch's GRAD_OUTs after its REQUESTs, but the policy may hand out a
+// backward before a forward; so the GRAD_OUT of a call waits for its own REQUEST, and for
+// those of the calls after it, which may take its outputs. Same microbatch only: a policy that
+// holds back a later microbatch's REQUEST until an earlier one's backward is done does not
+// wait on itself.
+
+void PipelineServer::release_parked(const PeerMicrobatch& key) {
+  auto parked = parked_.find(key);
+  auto seqs = unserved_seqs_.find(key);
+  const bool none_left = seqs == unserved_seqs_.end() || seqs->second.empty();
+  if (parked != parked_.end()) {
+    const int64_t oldest = none_left ? INT64_MAX : *seqs->second.begin();
+    std::vector<Parked> waiting;
+    for (const Parked& item : parked->second) {
+      if (item.bound <= oldest) {
+        policy_.push(item.task.kind, item.task.microbatch, item.task.id);
+      } else {
+        waiting.push_back(item);
+      }
+    }
+    if (waiting.empty()) {
+      parked_.erase(parked);
+    } else {
+      parked->second = std::move(waiting);
+    }
+  }
+  if (none_left && seqs != unserved_seqs_.end()) unserved_seqs_.erase(seqs);
+}
+
 void PipelineServer::hold(int64_t task, int64_t target, Message message) {
   const bool fresh = pending_.try_emplace(task, Held{target, std::move(message)}).second;
   SMP_INTERNAL_ASSERT(fresh, "two pipeline messages for task {}", task);
@@ -97,11 +136,13 @@ std::optional<ServerTask> PipelineServer::next(std::chrono::milliseconds timeout
   while (true) {
     while (auto message = transport_->try_recv()) dispatch(std::move(*message));
     if (std::optional<Task> task = policy_.next()) {
-      if (task->kind == TaskKind::kServeRequest && unserved_.erase(task->id) != 0) {
-        auto parked = parked_.find(task->id);
-        if (parked != parked_.end()) {
-          for (const Task& held : parked->second) policy_.push(held.kind, held.microbatch, held.id);
-          parked_.erase(parked);
+      if (task->kind == TaskKind::kServeRequest) {
+        auto unserved = unserved_.find(task->id);
+        if (unserved != unserved_.end()) {
+          const PeerMicrobatch key{unserved->second.peer, unserved->second.microbatch};
+          unserved_seqs_[key].erase(unserved->second.seq);
+          unserved_.erase(unserved);
+          release_parked(key);
         }
       }
       ServerTask out{*task, std::nullopt, -1};

@@ -100,6 +100,17 @@ def _fresh_tag(state: State) -> int:
 # predictions there).
 
 
+# Note [Backward from futures]
+# The leader's ``model.backward(loss)`` takes its roots as they are: a root that is an output of
+# one of this microbatch's calls whose value has not arrived (the loss of an HF causal LM,
+# computed on the head's stage by ops on futures) is not waited for. Its gradient (the one
+# given, or ones, which the owner builds from the output) goes with that call's GRAD_OUT, which
+# the backward sends at once: the last stage starts a microbatch's backward when its forward is
+# done, as in torch's schedules, not after a round trip to the leader, which is by then busy
+# with another microbatch's forward. A root that the prediction says needs no gradient is
+# resolved, and raises as torch would.
+
+
 class CallStructureChanged(RuntimeError):
     """A module returned outputs of another structure than its earlier calls with the same
     arguments, after the caller had continued with the predicted structure (design.md §4c).
@@ -133,6 +144,10 @@ class _Call:
     fetch_of: _Call | None = None  # a FETCH: the call whose outputs it brings
     fetch: _Call | None = None  # the FETCH sent for this call's outputs
     quiet: bool = False  # no REPLY or GRAD_IN comes unless it went otherwise (Note [Quiet calls])
+    flags: tuple[bool, ...] = ()  # the predicted outputs' requires_grad flags
+    # model.backward's gradients for its outputs taken as roots before they arrived, (slot,
+    # gradient or None for ones): Note [Backward from futures]
+    root_grads: list[tuple[int, torch.Tensor | None]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -410,6 +425,7 @@ class _Worker:
         self.sent_ids: dict[int, int] = {}  # served: id of a request tensor -> its slot
         self.received: dict[int, torch.Tensor] = {}  # served: request slot -> tensor it brought
         self.out_grads_acc: dict[int, torch.Tensor] = {}  # served: output slot -> gradient
+        self.ones_slots: list[int] = []  # served: output slots whose gradient is ones (GRAD_OUT)
         self.awaiting = 0  # served: gradient deliveries missing (GRAD_OUT, consumers' shares)
         # grad mode: the step thread's (served: and the caller's, from REQUEST)
         self.grad = runtime.step_context.mode.grad
@@ -984,6 +1000,7 @@ class PipelineRuntime:
             reply = messages.fill(call.structure, call.values, self.modules, originals)
         else:
             call.predicted, predicted = prediction[:2]
+            call.flags = predicted.flags
             futures = [_Future(call, i) for i in range(len(predicted.flags))]
             reply = messages.fill(predicted, futures, self.modules, originals)
         result, changed = reply
@@ -1627,6 +1644,7 @@ class PipelineRuntime:
         """GRAD_OUT reached a served call: its backward may start."""
         for slot, grad in zip(header[3:], tensors):
             _add(worker.out_grads_acc, slot, grad)
+        worker.ones_slots += [-1 - slot for slot in header[3 + len(tensors) :]]
         if worker.quiet and worker.grad and (peer, header[2]) == worker.served:
             self._hold(+1)  # its caller's backward reached it: until its own is done
         worker.awaiting -= 1
@@ -1684,13 +1702,32 @@ class PipelineRuntime:
             )
         offload.forward_done(worker.microbatch)  # offload_activations
         roots = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
-        roots, grad_tensors = _resolve_tree((roots, grad_tensors))
-        if grad_tensors is None:
-            grads = [torch.ones_like(r) for r in roots]
-        else:
-            grads = (
-                list(grad_tensors) if isinstance(grad_tensors, (list, tuple)) else [grad_tensors]
+        given = grad_tensors if grad_tensors is not None else [None] * len(roots)
+        given = list(given) if isinstance(given, (list, tuple)) else [given]
+        # Note [Backward from futures]: outputs of this microbatch's calls that have not arrived
+        # take their gradients along with the calls' GRAD_OUT, without waiting for them.
+        local = []
+        for root, grad in zip(roots, given):
+            call = root._smp_call if isinstance(root, _Future) else None
+            if (
+                call is not None
+                and call.worker is worker
+                and call.values is None
+                and call.grad
+                and call.flags[root._smp_slot]
+                and not isinstance(grad, _Future)
+            ):
+                call.root_grads.append((root._smp_slot, grad))
+            else:
+                local.append((root, grad))
+        roots, grads = _resolve_tree(([r for r, _ in local], [g for _, g in local]))
+        if len(local) == len(given) and not any(r.requires_grad for r in roots):
+            raise RuntimeError(  # as torch.autograd.backward does (run_segment would skip them)
+                "element 0 of tensors does not require grad and does not have a grad_fn "
+                "(model.backward: nothing it was given needs a gradient; was the loss computed "
+                "under torch.no_grad() or from detached values?)"
             )
+        grads = [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads)]
         self.policy.on_forward_done(worker.microbatch)
         self.backward_calls += 1
         worker.next_interval = len(worker.starts) - 1
@@ -1733,6 +1770,8 @@ class PipelineRuntime:
         if worker.backward_started or not worker.replied or worker.awaiting or not worker.grad:
             return
         worker.backward_started = True
+        for slot in worker.ones_slots:  # Note [Backward from futures]
+            _add(worker.out_grads_acc, slot, torch.ones_like(worker.out_tensors[slot]))
         roots, grads = [], []
         for slot, grad in worker.out_grads_acc.items():
             if worker.out_tensors[slot].requires_grad:
@@ -1807,6 +1846,8 @@ class PipelineRuntime:
                 # answers GRAD_IN when it has. Only gradients this rank needs are waited for.
                 out = [(s, worker.leaf_grads.pop(id(leaf), None)) for s, leaf in call.out_leaves]
                 out = [(s, g) for s, g in out if g is not None]
+                out += [(s, g) for s, g in call.root_grads if g is not None]
+                ones = [-1 - s for s, g in call.root_grads if g is None]  # after those with one
                 if not call.quiet or call.sent:  # (a quiet call's GRAD_IN: its arguments'
                     task_id = self.server.new_id()  # gradients after all, which it had not
                     self.grad_tasks[task_id] = call  # brought before)
@@ -1816,7 +1857,7 @@ class PipelineRuntime:
                     )
                 self.sender.send(
                     call.owner,
-                    [GRAD_OUT, worker.microbatch, call.call_id, *(s for s, _ in out)],
+                    [GRAD_OUT, worker.microbatch, call.call_id, *(s for s, _ in out), *ones],
                     [g for _, g in out],
                 )
                 if call.sent and not call.quiet:

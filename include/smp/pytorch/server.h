@@ -119,8 +119,23 @@ class PipelineServer {
   std::map<std::pair<int64_t, TaskKind>, int64_t> expected_;
   std::map<std::pair<int, int64_t>, int64_t> served_;  // (peer, call id) -> worker
   std::map<int64_t, Held> pending_;                    // task -> its message
-  std::set<int64_t> unserved_;  // workers whose REQUEST task has not been handed out yet
-  std::map<int64_t, std::vector<Task>> parked_;  // such a worker -> its GRAD_OUT tasks
+  // REQUESTs not handed out yet and the GRAD_OUTs waiting for them: Note [Gradients after the
+  // requests before them] in server.cpp.
+  struct Unserved {
+    int peer;
+    int microbatch;
+    int64_t seq;  // arrival order among REQUESTs
+  };
+  struct Parked {
+    int64_t bound;  // runnable once no REQUEST of the key with seq < bound is unserved
+    Task task;
+  };
+  using PeerMicrobatch = std::pair<int, int>;
+  void release_parked(const PeerMicrobatch& key);
+  int64_t next_seq_ = 0;
+  std::map<int64_t, Unserved> unserved_;                       // worker -> its REQUEST
+  std::map<PeerMicrobatch, std::set<int64_t>> unserved_seqs_;  // their seqs
+  std::map<PeerMicrobatch, std::vector<Parked>> parked_;       // GRAD_OUT tasks, arrival order
 };
 
 }  // namespace smp::pytorch

@@ -117,6 +117,42 @@ TEST(PipelineServerTest, GradOutQueuedBehindItsRequestKeepsBoth) {
   expect_no_errors(errors);
 }
 
+// A call's GRAD_OUT waits for every REQUEST of its microbatch that came before it (Note
+// [Gradients after the requests before them]): the later call may take the first one's outputs
+// by reference, and must be counted before the first one's backward may start. Each GRAD_OUT
+// comes out after both REQUESTs, whatever the policy prefers.
+TEST(PipelineServerTest, GradOutWaitsForTheRequestsBeforeIt) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  std::promise<void> sent;
+  std::shared_future<void> sent_future = sent.get_future().share();
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    PipelineServer server(&transport, PipelineKind::kInterleaved, 1, 1, /*is_leader=*/false);
+    if (r == 0) {
+      transport.send(1, {kRequest, 0, 7, /*module=*/2}, {at::full({2}, 1.0)});
+      transport.send(1, {kRequest, 0, 8, /*module=*/3}, {});  // takes call 7's output
+      transport.send(1, {kGradOut, 0, 8}, {});
+      transport.send(1, {kGradOut, 0, 7}, {});
+      sent.set_value();
+      transport.send(1, {kStepEnd, 1}, {});
+    } else {
+      sent_future.wait();
+      std::vector<int64_t> order;  // call ids, negative for a GRAD_OUT
+      while (auto task = server.next(kLong)) {
+        ASSERT_TRUE(task->message);
+        const auto& header = task->message->header;
+        order.push_back(header[0] == kGradOut ? -header[2] : header[2]);
+      }
+      ASSERT_EQ(order.size(), 4u);
+      EXPECT_EQ((std::vector<int64_t>{order[0], order[1]}), (std::vector<int64_t>{7, 8}));
+    }
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
 // An ERROR message surfaces as RemoteStageError carrying the sender's text.
 TEST(PipelineServerTest, ErrorMessageRaisesRemoteStageError) {
   auto world = std::make_shared<ThreadWorld>(2);

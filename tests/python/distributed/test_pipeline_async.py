@@ -524,6 +524,81 @@ def test_a_stage_stays_for_quiet_calls_still_waiting_for_gradients(pools):
     assert replies[0] == 4 and replies[2:] == [0, 0], replies
 
 
+class HeadOnStage1(nn.Module):
+    """``a`` on stage 0, ``block`` and ``head`` on stage 1: the root's output is a future."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.block, self.head = nn.Linear(8, 16), Block(), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.block(self.a(x)))
+
+
+def _backward_from_futures_worker():
+    import smp
+    from smp.pipeline import runtime
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
+    torch.manual_seed(0)
+    reference = HeadOnStage1()
+    torch.manual_seed(0)
+    module = HeadOnStage1()
+    smp.set_partition(module, 0)
+    smp.set_partition(module.a, 0)
+    smp.set_partition(module.block, 1)
+    smp.set_partition(module.head, 1)
+    model = smp.DistributedModel(module)
+    unarrived = [0]  # roots model.backward took before their values had arrived
+    backward = runtime.PipelineRuntime.backward
+
+    def counting_backward(self, tensors, grad_tensors):
+        roots = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+        unarrived[0] += sum(
+            isinstance(t, runtime._Future) and t._smp_call.values is None for t in roots
+        )
+        return backward(self, tensors, grad_tensors)
+
+    @smp.step
+    def given(model, x, g):  # the output's gradient given: it goes out with the GRAD_OUT
+        out = model(x)
+        model.backward(out, g)
+        return out
+
+    @smp.step
+    def frozen(model, x):  # a loss that needs no gradient: an error, as in torch
+        with torch.no_grad():
+            loss = model(x).sum()
+        model.backward(loss)
+
+    g = torch.Generator().manual_seed(3)
+    runtime.PipelineRuntime.backward = counting_backward
+    try:
+        for step in range(3):
+            x, grad = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+            unarrived[0] = 0
+            for p in (*model.parameters(), *reference.parameters()):
+                p.grad = None
+            out = given(model, x, grad)
+            for xs, gs in zip(x.chunk(2), grad.chunk(2)):
+                reference(xs).backward(gs / 2)  # smp averages over the microbatches
+            torch.testing.assert_close(out.concat(), reference(x), **TOL)
+            assert_owned_grads_match(model, reference, smp.pp_rank(), TOL)
+            if smp.pp_rank() == 0 and step > 0:  # step 0's calls waited for their outputs
+                assert unarrived[0] == 2, (step, unarrived[0])
+        for _ in range(2):  # the second time the output structure is predicted
+            with pytest.raises(Exception, match="does not require grad"):
+                frozen(model, torch.randn(8, 8, generator=g))
+    finally:
+        runtime.PipelineRuntime.backward = backward
+
+
+def test_backward_of_outputs_that_have_not_arrived(pools):
+    """model.backward(output, gradient) on a future goes out with its call's GRAD_OUT (Note
+    [Backward from futures]), exactly; a future that needs no gradient raises as torch does."""
+    pools.run(2, _backward_from_futures_worker)
+
+
 class Failing(Block):
     fail = False
 
