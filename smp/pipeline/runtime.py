@@ -1441,7 +1441,7 @@ class PipelineRuntime:
         else:
             self._hold(-1)  # its forward is done
             if not worker.quiet_refused:
-                blob = messages.Skeleton.of(skeleton).blob
+                blob = messages.structure(skeleton)[0]
                 if messages.digest(blob) != worker.quiet_digest:  # the caller learns, and reruns
                     worker.quiet_refused = True
                     self.sender.send(caller, reply, [skeleton])
@@ -1655,7 +1655,7 @@ class PipelineRuntime:
         When the caller sent tensors that require grad, it carries their gradients and the
         caller's backward continues; otherwise it only acknowledges."""
         if call.quiet:
-            self._quiet_answered(call, None)
+            self._quiet_answered(call, None, gradients=True)
         if call.sent and call.key is not None:
             self.grads_back[call.key] = bool(tensors)
         worker = call.worker
@@ -1848,9 +1848,11 @@ class PipelineRuntime:
                 out = [(s, g) for s, g in out if g is not None]
                 out += [(s, g) for s, g in call.root_grads if g is not None]
                 ones = [-1 - s for s, g in call.root_grads if g is None]  # after those with one
-                if not call.quiet or call.sent:  # (a quiet call's GRAD_IN: its arguments'
-                    task_id = self.server.new_id()  # gradients after all, which it had not
-                    self.grad_tasks[task_id] = call  # brought before)
+                # A quiet call is not acknowledged; one that sent tensors needing gradients
+                # still has its GRAD_IN routed, should gradients come after all (a rerun).
+                if not call.quiet or call.sent:
+                    task_id = self.server.new_id()
+                    self.grad_tasks[task_id] = call
                     worker.acks_due += not call.quiet
                     self.server.expect(
                         call.call_id, _C.TaskKind.BACKWARD, worker.microbatch, task_id
