@@ -862,8 +862,10 @@ class PipelineRuntime:
     def _slice_modules(self, costs: dict[str, float]) -> set[int]:
         """Ids of the local modules whose forward starts a new backward slice: every module
         whose subtree runs on this stage only and costs at least 1/_SLICES_PER_STAGE of the
-        stage (``costs``: each module's own share of the model's cost, from the partitioner).
-        Deterministic, unlike a clock, so a step's gradients do not depend on timing."""
+        stage (``costs``: each module's own share of the model's cost, from the partitioner),
+        unless it is inside another such module with a forward of its own (design.md §4e:
+        a block's boundary, not its MLP's). Deterministic, unlike a clock, so a step's
+        gradients do not depend on timing."""
         paths = self.paths[: self.model_paths]
         own = {path: float(costs.get(path, 0.0)) for path in paths}
         total = dict(own)
@@ -875,11 +877,30 @@ class PipelineRuntime:
                 elsewhere[parent] |= elsewhere[path]
         stage_cost = sum(own[p] for p in paths if self.assignment[p] == self.stage)
         floor = stage_cost / _SLICES_PER_STAGE
-        return {
-            id(self.modules[path])
+        large = {
+            path
             for path in paths
             if path and not elsewhere[path] and total[path] > 0 and total[path] >= floor
         }
+        # A slice inside a block cuts its residual stream twice (once directly, once through
+        # the norm in front of the sliced module): the later slice then runs the norm's nodes
+        # too (absorbed, segments.py). Containers that only hold their children (a ModuleList)
+        # or chain them (Sequential) leave their children's boundaries clean.
+        blocks = {
+            path
+            for path in large
+            if not isinstance(self.modules[path], (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+        }
+
+        def inside_block(path: str) -> bool:
+            parent = path.rpartition(".")[0]
+            while parent:
+                if parent in blocks:
+                    return True
+                parent = parent.rpartition(".")[0]
+            return False
+
+        return {id(self.modules[path]) for path in large if not inside_block(path)}
 
     # ---- stubs ---------------------------------------------------------------------------------
 
