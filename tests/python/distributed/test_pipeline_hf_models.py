@@ -83,10 +83,12 @@ def make_batch(name: str, step: int, batch: int = 4) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _parity_worker(name: str, pp: int, microbatches: int):
+def _parity_worker(name: str, pp: int, microbatches: int, dp: int = 1):
+    """Trains ``STEPS`` steps against one process: with ``dp`` replicas, each on its own
+    batches (other lengths, other padding), the reference on all of them."""
     import smp
 
-    smp.init({"pipeline_parallel_degree": pp, "microbatches": microbatches})
+    smp.init({"pipeline_parallel_degree": pp, "microbatches": microbatches, "ddp": dp > 1})
     reference = build(name)
     model = smp.DistributedModel(build(name))
     assert model.module.config.use_cache or name in ("bert", "roberta")
@@ -103,16 +105,25 @@ def _parity_worker(name: str, pp: int, microbatches: int):
     from smp.pipeline.sender import Sender
 
     again = [0]  # tensors that went as references to an earlier request's (tensors sent once)
+    quiet = [0]  # requests sent quiet (Note [Quiet calls] in runtime.py)
     send = Sender.send
 
     def counting_send(self, peer, header, tensors, wait=False):
         if header[0] == runtime.REQUEST and header[3] != runtime._FETCH:
             again[0] += list(header[8 : 7 + 4 * header[6] : 4]).count(messages.INPUT)
+            quiet[0] += bool(header[5] & runtime._QUIET)
         return send(self, peer, header, tensors, wait)
+
+    def reference_loss(step: int, replica: int):
+        batch = make_batch(name, step + 3 * replica)  # replicas: other lengths and padding
+        chunks = [
+            {k: v.chunk(microbatches)[i] for k, v in batch.items()} for i in range(microbatches)
+        ]
+        return sum(reference(**c).loss for c in chunks) / microbatches
 
     losses = []
     for step in range(STEPS):
-        batch = make_batch(name, step)
+        batch = make_batch(name, step + 3 * smp.dp_rank())
         optimizer.zero_grad()
         Sender.send = counting_send
         try:
@@ -120,12 +131,10 @@ def _parity_worker(name: str, pp: int, microbatches: int):
         finally:
             Sender.send = send
         reference_optimizer.zero_grad()
-        chunks = [
-            {k: v.chunk(microbatches)[i] for k, v in batch.items()} for i in range(microbatches)
-        ]
-        reference_loss = sum(reference(**c).loss for c in chunks) / microbatches
-        reference_loss.backward()
-        assert abs(loss - reference_loss.item()) <= 2e-5 * (1 + abs(loss)), (step, loss)
+        replicas = [reference_loss(step, r) for r in range(dp)]
+        (sum(replicas) / dp).backward()
+        mine = replicas[smp.dp_rank()].item()
+        assert abs(loss - mine) <= 2e-5 * (1 + abs(loss)), (step, loss, mine)
         optimizer.step()
         reference_optimizer.step()
         losses.append(loss)
@@ -133,7 +142,7 @@ def _parity_worker(name: str, pp: int, microbatches: int):
     assert list(full) == list(expected)
     for key, value in expected.items():
         torch.testing.assert_close(full[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
-    return losses, sorted(set(model.partition_plan.assignment.values())), again[0]
+    return losses, sorted(set(model.partition_plan.assignment.values())), again[0], quiet[0]
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "t5", "bert", "roberta"])
@@ -142,6 +151,17 @@ def test_default_config_two_stages(pools, name):
     assert results[0][:2] == results[1][:2] and results[0][1] == [0, 1]
     if name in ("gpt2", "llama", "opt"):  # the cache's earlier layers, the masks: once each
         assert results[0][2] > 0, results[0][2]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_default_config_two_stages_two_replicas(pools, name):
+    """pp 2 x dp 2, each replica on batches of its own lengths and padding: the leader's
+    calls go quiet after the first step (no REPLY, no GRAD_IN; on the cache's layers too),
+    and the gradients averaged over the replicas stay exact through the optimizer's steps."""
+    results = pools.run(4, _parity_worker, name, 2, 2, 2)
+    leaders = [r for r in results if r[3] or r[2]]  # the ranks that send requests
+    assert len(leaders) == 2 and all(r[3] > 0 for r in leaders), [r[2:] for r in results]
+    assert len({tuple(r[0]) for r in results}) == 2, [r[0] for r in results]  # own data
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "t5", "bert", "roberta"])
