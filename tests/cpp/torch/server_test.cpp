@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <string>
 #include <vector>
@@ -28,6 +29,32 @@ constexpr auto kGradOut = static_cast<int64_t>(MessageKind::kGradOut);
 constexpr auto kGradIn = static_cast<int64_t>(MessageKind::kGradIn);
 constexpr auto kError = static_cast<int64_t>(MessageKind::kError);
 constexpr auto kStepEnd = static_cast<int64_t>(MessageKind::kStepEnd);
+
+// Rank 0 sends with `send` and then ends the step; rank 1 calls `serve` on its (non-leader)
+// server only once all of rank 0's messages are queued there, so the order in which the server
+// hands out tasks is its own, not the arrival's.
+void queued_then_served(const std::function<void(Transport&)>& send,
+                        const std::function<void(PipelineServer&)>& serve) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  std::promise<void> sent;
+  std::shared_future<void> sent_future = sent.get_future().share();
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    PipelineServer server(&transport, PipelineKind::kInterleaved, 1, 1, /*is_leader=*/false);
+    if (r == 0) {
+      send(transport);  // each send returns once rank 1 has taken the message
+      sent.set_value();
+      transport.send(1, {kStepEnd, 1}, {});
+    } else {
+      sent_future.wait();
+      serve(server);
+    }
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
 
 // One microbatch, one remote call and its backward: the leader starts the microbatch, calls a
 // module on stage 1 (REQUEST / REPLY), runs backward (GRAD_OUT / GRAD_IN), finishes, and ends the
@@ -85,36 +112,24 @@ TEST(PipelineServerTest, OneCallForwardAndBackward) {
 // A caller that drops a call's outputs sends its GRAD_OUT right after the REQUEST; the owner may
 // read both before it takes the REQUEST's task. Each is a task with its own message.
 TEST(PipelineServerTest, GradOutQueuedBehindItsRequestKeepsBoth) {
-  auto world = std::make_shared<ThreadWorld>(2);
-  std::vector<Rank> ranks;
-  std::promise<void> sent;  // rank 1 asks for a task only once both messages are queued
-  std::shared_future<void> sent_future = sent.get_future().share();
-  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
-    Transport transport(rank.group, {1 - r}, kLong, kTag);
-    transport.start();
-    PipelineServer server(&transport, PipelineKind::kInterleaved, 1, 1, /*is_leader=*/false);
-    if (r == 0) {
-      transport.send(1, {kRequest, 0, 7, /*module=*/2}, {at::full({2}, 1.0)});
-      transport.send(1, {kGradOut, 0, 7}, {});  // returns once rank 1 has taken it
-      sent.set_value();
-      transport.send(1, {kStepEnd, 1}, {});
-    } else {
-      sent_future.wait();
-      auto serve = server.next(kLong);
-      ASSERT_TRUE(serve && serve->message);
-      EXPECT_EQ(serve->task.kind, TaskKind::kServeRequest);
-      EXPECT_EQ(serve->message->header[0], kRequest);
-      EXPECT_EQ(serve->target, serve->task.id);
-      auto backward = server.next(kLong);
-      ASSERT_TRUE(backward && backward->message);
-      EXPECT_EQ(backward->task.kind, TaskKind::kBackward);
-      EXPECT_EQ(backward->message->header[0], kGradOut);
-      EXPECT_EQ(backward->target, serve->task.id);
-      EXPECT_FALSE(server.next(kLong));  // STEP_END
-    }
-    transport.finish();
-  });
-  expect_no_errors(errors);
+  queued_then_served(
+      [](Transport& transport) {
+        transport.send(1, {kRequest, 0, 7, /*module=*/2}, {at::full({2}, 1.0)});
+        transport.send(1, {kGradOut, 0, 7}, {});
+      },
+      [](PipelineServer& server) {
+        auto serve = server.next(kLong);
+        ASSERT_TRUE(serve && serve->message);
+        EXPECT_EQ(serve->task.kind, TaskKind::kServeRequest);
+        EXPECT_EQ(serve->message->header[0], kRequest);
+        EXPECT_EQ(serve->target, serve->task.id);
+        auto backward = server.next(kLong);
+        ASSERT_TRUE(backward && backward->message);
+        EXPECT_EQ(backward->task.kind, TaskKind::kBackward);
+        EXPECT_EQ(backward->message->header[0], kGradOut);
+        EXPECT_EQ(backward->target, serve->task.id);
+        EXPECT_FALSE(server.next(kLong));  // STEP_END
+      });
 }
 
 // A call's GRAD_OUT waits for every REQUEST of its microbatch that came before it (Note
@@ -122,35 +137,23 @@ TEST(PipelineServerTest, GradOutQueuedBehindItsRequestKeepsBoth) {
 // by reference, and must be counted before the first one's backward may start. Each GRAD_OUT
 // comes out after both REQUESTs, whatever the policy prefers.
 TEST(PipelineServerTest, GradOutWaitsForTheRequestsBeforeIt) {
-  auto world = std::make_shared<ThreadWorld>(2);
-  std::vector<Rank> ranks;
-  std::promise<void> sent;
-  std::shared_future<void> sent_future = sent.get_future().share();
-  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
-    Transport transport(rank.group, {1 - r}, kLong, kTag);
-    transport.start();
-    PipelineServer server(&transport, PipelineKind::kInterleaved, 1, 1, /*is_leader=*/false);
-    if (r == 0) {
-      transport.send(1, {kRequest, 0, 7, /*module=*/2}, {at::full({2}, 1.0)});
-      transport.send(1, {kRequest, 0, 8, /*module=*/3}, {});  // takes call 7's output
-      transport.send(1, {kGradOut, 0, 8}, {});
-      transport.send(1, {kGradOut, 0, 7}, {});
-      sent.set_value();
-      transport.send(1, {kStepEnd, 1}, {});
-    } else {
-      sent_future.wait();
-      std::vector<int64_t> order;  // call ids, negative for a GRAD_OUT
-      while (auto task = server.next(kLong)) {
-        ASSERT_TRUE(task->message);
-        const auto& header = task->message->header;
-        order.push_back(header[0] == kGradOut ? -header[2] : header[2]);
-      }
-      ASSERT_EQ(order.size(), 4u);
-      EXPECT_EQ((std::vector<int64_t>{order[0], order[1]}), (std::vector<int64_t>{7, 8}));
-    }
-    transport.finish();
-  });
-  expect_no_errors(errors);
+  queued_then_served(
+      [](Transport& transport) {
+        transport.send(1, {kRequest, 0, 7, /*module=*/2}, {at::full({2}, 1.0)});
+        transport.send(1, {kRequest, 0, 8, /*module=*/3}, {});  // takes call 7's output
+        transport.send(1, {kGradOut, 0, 8}, {});
+        transport.send(1, {kGradOut, 0, 7}, {});
+      },
+      [](PipelineServer& server) {
+        std::vector<int64_t> order;  // call ids, negative for a GRAD_OUT
+        while (auto task = server.next(kLong)) {
+          ASSERT_TRUE(task->message);
+          const auto& header = task->message->header;
+          order.push_back(header[0] == kGradOut ? -header[2] : header[2]);
+        }
+        ASSERT_EQ(order.size(), 4u);
+        EXPECT_EQ((std::vector<int64_t>{order[0], order[1]}), (std::vector<int64_t>{7, 8}));
+      });
 }
 
 // An ERROR message surfaces as RemoteStageError carrying the sender's text.
