@@ -1725,6 +1725,11 @@ class PipelineRuntime:
         roots = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         given = grad_tensors if grad_tensors is not None else [None] * len(roots)
         given = list(given) if isinstance(given, (list, tuple)) else [given]
+        if len(given) < len(roots):  # zip below would drop the roots without one
+            raise RuntimeError(
+                f"got {len(roots)} tensors and {len(given)} gradients (model.backward: pass one "
+                "gradient per tensor, or none for ones)"
+            )
         # Note [Backward from futures]: outputs of this microbatch's calls that have not arrived
         # take their gradients along with the calls' GRAD_OUT, without waiting for them.
         local = []

@@ -571,6 +571,11 @@ def _backward_from_futures_worker():
             loss = model(x).sum()
         model.backward(loss)
 
+    @smp.step
+    def short(model, x, g):  # fewer gradients than tensors: an error, not a dropped root
+        out = model(x)
+        model.backward([out, out.sum()], [g])
+
     g = torch.Generator().manual_seed(3)
     runtime.PipelineRuntime.backward = counting_backward
     try:
@@ -589,13 +594,16 @@ def _backward_from_futures_worker():
         for _ in range(2):  # the second time the output structure is predicted
             with pytest.raises(Exception, match="does not require grad"):
                 frozen(model, torch.randn(8, 8, generator=g))
+            with pytest.raises(Exception, match="got 2 tensors and 1 gradients"):
+                short(model, torch.randn(8, 8, generator=g), torch.randn(4, 3, generator=g))
     finally:
         runtime.PipelineRuntime.backward = backward
 
 
 def test_backward_of_outputs_that_have_not_arrived(pools):
     """model.backward(output, gradient) on a future goes out with its call's GRAD_OUT (Note
-    [Backward from futures]), exactly; a future that needs no gradient raises as torch does."""
+    [Backward from futures]), exactly; a future that needs no gradient raises as torch does, and
+    so do fewer gradients than tensors."""
     pools.run(2, _backward_from_futures_worker)
 
 
