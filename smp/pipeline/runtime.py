@@ -1097,19 +1097,16 @@ class PipelineRuntime:
         self.loud.add(call.key)
         if skeleton is not None:  # its outputs' structure changed
             self._structure_changed(call, messages.Skeleton.of(skeleton))
-        if gradients:
-            raise CallStructureChanged(
-                f"smp: module '{call.path}' (pipeline stage {call.owner}) returned gradients "
-                "for arguments that its earlier calls with the same arguments had returned "
-                "none for, and the backward had gone on without waiting for them (asynchronous "
-                "pipeline calls, design.md §4c). The module's calls are waited for from now on; "
-                '"pipeline_async_calls": False makes every call wait.'
-            )
+        what = (
+            "returned gradients for arguments that its earlier calls with the same arguments "
+            "had returned none for, and the backward had gone on without waiting for them"
+            if gradients
+            else "called another pipeline stage, which its earlier calls with the same "
+            "arguments had not done, and the step function had not waited for it to finish"
+        )
         raise CallStructureChanged(
-            f"smp: module '{call.path}' (pipeline stage {call.owner}) called another pipeline "
-            "stage, which its earlier calls with the same arguments had not done, and the step "
-            "function had not waited for it to finish (asynchronous pipeline calls, design.md "
-            "§4c). The module's calls are waited for from now on; "
+            f"smp: module '{call.path}' (pipeline stage {call.owner}) {what} (asynchronous "
+            "pipeline calls, design.md §4c). The module's calls are waited for from now on; "
             '"pipeline_async_calls": False makes every call wait.'
         )
 
