@@ -43,6 +43,11 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+try:  # the engine call under torch.autograd.grad, without its checks (see _grad)
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - torch without it: the public call
+    _engine_run_backward = None
+
 __all__ = [
     "mark",
     "EdgeKey",
@@ -70,6 +75,37 @@ def mark() -> int:
 def edge_of(tensor: torch.Tensor) -> GradientEdge:
     """The gradient edge into ``tensor``'s producer (or its accumulator, for a leaf)."""
     return torch.autograd.graph.get_gradient_edge(tensor)
+
+
+def _grad(
+    outputs: Sequence[torch.Tensor | GradientEdge],
+    inputs: Sequence[torch.Tensor | GradientEdge],
+    grads: Sequence[torch.Tensor],
+    retain_graph: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grads, allow_unused=True, retain_graph=...)``.
+
+    Calls the engine as that function does, without its Python around the call: argument
+    normalisation, ``__torch_function__`` checks, and ``_make_grads``, which for every output
+    builds its input metadata and compares shapes symbolically. The runtime's segments make
+    hundreds of these calls per step (one per weight group, §4g), and that Python cost ~100 us
+    per call under the pipeline's contention for the interpreter (design.md §4g). Every
+    root that is a gradient edge has a gradient autograd computed for it; ``run_segment`` checks
+    the shapes of those given for tensors, which may come from the user's ``model.backward``.
+    """
+    if _engine_run_backward is None:  # pragma: no cover
+        return torch.autograd.grad(
+            outputs, inputs, grads, allow_unused=True, retain_graph=retain_graph
+        )
+    return _engine_run_backward(
+        tuple(outputs),
+        tuple(grads),
+        retain_graph,
+        False,
+        tuple(inputs),
+        True,
+        accumulate_grad=False,
+    )
 
 
 def _key(edge: GradientEdge) -> EdgeKey:
@@ -118,10 +154,7 @@ class WeightGrads:
             if not roots:
                 continue
             targets = list(params.values())
-            results = torch.autograd.grad(
-                [e for e, _ in roots], targets, [g for _, g in roots], allow_unused=True
-            )
-            accumulate(targets, results)
+            accumulate(targets, _grad([e for e, _ in roots], targets, [g for _, g in roots]))
 
 
 class Uses:
@@ -345,6 +378,15 @@ def run_segment(
     keep = [i for i, r in enumerate(roots) if isinstance(r, GradientEdge) or r.requires_grad]
     edges = [r if isinstance(r, GradientEdge) else edge_of(r) for r in (roots[i] for i in keep)]
     grads = [grads[i] for i in keep]
+    for i, (edge_or_tensor, grad) in enumerate(zip((roots[i] for i in keep), grads)):
+        # What torch.autograd.grad checks, for gradients that may come from the user's code
+        # (model.backward's grad_tensors); _grad does not check, and the engine would sum a
+        # gradient broadcast over a larger shape.
+        if isinstance(edge_or_tensor, torch.Tensor) and grad.shape != edge_or_tensor.shape:
+            raise RuntimeError(
+                f"Mismatch in shape: grad_output[{i}] has a shape of {grad.shape} and "
+                f"output[{i}] has a shape of {edge_or_tensor.shape}."
+            )
     boundary_ids = {id(t) for t in boundary_leaves}
     absorbed: dict[int, Any] = {}
     while True:  # each round absorbs at least one node more; the graph is finite
@@ -371,13 +413,7 @@ def run_segment(
     try:
         # Absorbed earlier nodes run again in their own interval, the weight half's nodes in
         # it: keep what they saved.
-        results = torch.autograd.grad(
-            edges,
-            inputs,
-            grads,
-            allow_unused=True,
-            retain_graph=bool(absorbed) or weights is not None,
-        )
+        results = _grad(edges, inputs, grads, retain_graph=bool(absorbed) or weights is not None)
     finally:
         for handle in handles:
             handle.remove()

@@ -576,6 +576,10 @@ def _backward_from_futures_worker():
         out = model(x)
         model.backward([out, out.sum()], [g])
 
+    @smp.step
+    def broadcast(model, x, g):  # a gradient the output's shape broadcasts to: an error too
+        model.backward(model(x), g)
+
     g = torch.Generator().manual_seed(3)
     runtime.PipelineRuntime.backward = counting_backward
     try:
@@ -596,6 +600,10 @@ def _backward_from_futures_worker():
                 frozen(model, torch.randn(8, 8, generator=g))
             with pytest.raises(Exception, match="got 2 tensors and 1 gradients"):
                 short(model, torch.randn(8, 8, generator=g), torch.randn(4, 3, generator=g))
+            # (4, 3) outputs given (4, 1, 4, 3) gradients: torch raises, where autograd's
+            # engine alone would sum them down to (4, 3)
+            with pytest.raises(Exception, match="Mismatch in shape"):
+                broadcast(model, torch.randn(8, 8, generator=g), torch.randn(8, 1, 4, 3))
     finally:
         runtime.PipelineRuntime.backward = backward
 
@@ -603,7 +611,7 @@ def _backward_from_futures_worker():
 def test_backward_of_outputs_that_have_not_arrived(pools):
     """model.backward(output, gradient) on a future goes out with its call's GRAD_OUT (Note
     [Backward from futures]), exactly; a future that needs no gradient raises as torch does, and
-    so do fewer gradients than tensors."""
+    so do fewer gradients than tensors and a gradient of another shape."""
     pools.run(2, _backward_from_futures_worker)
 
 
