@@ -143,12 +143,12 @@ def _wrap_leaf(value: Any, objects: bool, is_leaf: Callable[[Any], bool] | None)
 
         local: list = []
         try:
-            skeleton, found = messages.pack(value, local_modules=local)
+            skeleton, _, found = messages.pack_parts(value, local_modules=local)
         except TypeError:
             return value  # pickle cannot carry it: a leaf
         if found:
             modules = {f"#{i}": m for i, m in enumerate(local)}
-            return _Object(messages.Skeleton.of(skeleton), modules, found)
+            return _Object(skeleton, modules, found)
     return value
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "Sent",
     "Skeleton",
     "pack",
+    "pack_parts",
     "unpack",
     "fill",
     "slots",
@@ -203,7 +204,20 @@ def pack(
     modules: Mapping[int, str] | None = None,
     local_modules: list | None = None,
 ) -> tuple[torch.Tensor, list]:
-    """Returns (skeleton as a uint8 tensor, tensors in slot order); with ``resolve``, the list
+    """Returns (skeleton as a uint8 tensor, tensors in slot order): :func:`pack_parts` without
+    the unpacked skeleton."""
+    _, skeleton, tensors = pack_parts(value, resolve, modules, local_modules)
+    return skeleton, tensors
+
+
+def pack_parts(
+    value: Any,
+    resolve: Callable | None = None,
+    modules: Mapping[int, str] | None = None,
+    local_modules: list | None = None,
+) -> tuple[Skeleton, torch.Tensor, list]:
+    """Returns (the skeleton unpacked, as :meth:`Skeleton.of` would give it from the tensor;
+    the skeleton as a uint8 tensor; the tensors in slot order); with ``resolve``, the list
     holds a :class:`Ref` where the hook returned one. ``modules`` maps ``id(module)`` to its path
     for the model's modules, which travel by path; with ``local_modules`` (a copy made in this
     process) every module is appended there instead and referred to by position.
@@ -222,8 +236,10 @@ def pack(
     except (pickle.PicklingError, AttributeError) as exc:
         raise _cannot_cross(value, exc) from exc
     flags = bytes(pickler.flags)
-    blob = _COUNT.pack(len(flags)) + flags + buffer.getvalue()
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8), pickler.tensors
+    pickled = buffer.getvalue()
+    blob = _COUNT.pack(len(flags)) + flags + pickled
+    unpacked = Skeleton(pickled, tuple(map(bool, flags)))
+    return unpacked, torch.frombuffer(bytearray(blob), dtype=torch.uint8), pickler.tensors
 
 
 def fill(

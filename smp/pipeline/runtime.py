@@ -959,7 +959,7 @@ class PipelineRuntime:
                 return messages.Ref(before[2], before[3], messages.INPUT, tensor.requires_grad)
             return tensor
 
-        skeleton, tensors = messages.pack((args, kwargs), resolve, self.module_ids)
+        unpacked, skeleton, tensors = messages.pack_parts((args, kwargs), resolve, self.module_ids)
         refs = [(i, t) for i, t in enumerate(tensors) if isinstance(t, messages.Ref)]
         real = [t for t in tensors if not isinstance(t, messages.Ref)]
         if self.send_once:
@@ -985,7 +985,7 @@ class PipelineRuntime:
         # padding mask on one rank, None on another; smp/nn/region.py), and with them the keys,
         # predictions and FETCHes of their calls. So calls wait for their outputs there.
         if self.async_calls and self.order_group is None:
-            call.key = (index, messages.structure(skeleton)[0], grad)
+            call.key = (index, unpacked.blob, grad)
             prediction = self.predictions.get(call.key)
             # Outputs only passed on by reference last time need not come back (FETCH if used).
             call.push = prediction is None or self.push_outputs.get(call.key, True)
@@ -1450,7 +1450,9 @@ class PipelineRuntime:
             index = sent.get(id(tensor))
             return tensor if index is None else messages.Sent(index)
 
-        skeleton, tensors = messages.pack(worker.result, resolve if sent else None, self.module_ids)
+        unpacked, skeleton, tensors = messages.pack_parts(
+            worker.result, resolve if sent else None, self.module_ids
+        )
         worker.out_tensors, worker.skeleton = tensors, skeleton
         worker.replied = True
         reply = [REPLY, worker.microbatch, call_id, int(worker.calls_made == 0)]
@@ -1458,11 +1460,9 @@ class PipelineRuntime:
             self.sender.send(caller, reply, [skeleton, *tensors] if worker.push else [skeleton])
         else:
             self._hold(-1)  # its forward is done
-            if not worker.quiet_refused:
-                blob = messages.structure(skeleton)[0]
-                if messages.digest(blob) != worker.quiet_digest:  # the caller learns, and reruns
-                    worker.quiet_refused = True
-                    self.sender.send(caller, reply, [skeleton])
+            if not worker.quiet_refused and messages.digest(unpacked.blob) != worker.quiet_digest:
+                worker.quiet_refused = True  # the caller learns, and reruns
+                self.sender.send(caller, reply, [skeleton])
         for stage, fetch, slot in worker.fetches:
             self._send_outputs(stage, fetch, worker, slot)
         worker.fetches = []

@@ -11,10 +11,12 @@ import torch
 
 from smp.pipeline.messages import (
     Sent,
+    Skeleton,
     assign,
     describe,
     fingerprint,
     pack,
+    pack_parts,
     slots,
     structure,
     unpack,
@@ -62,6 +64,10 @@ def test_round_trip_of_nested_values():
     assert back[1]["pair"].a is back[2].extra[0]
     assert isinstance(back[3], ModelOutputLike) and list(back[3]) == ["hidden", "attn"]
     assert back[4] is tensors[6]
+    # The unpacked skeleton the packer returns alongside is what the receiver unpacks.
+    unpacked, again, _ = pack_parts(value)
+    assert torch.equal(again, skeleton) and unpacked == Skeleton.of(skeleton)
+    assert unpacked.flags == (True, False, False, True, False, False, False)
 
 
 def test_values_pickle_cannot_carry_are_named():
