@@ -399,7 +399,7 @@ def main() -> None:
     print("per microbatch in the pipeline, ms (smp: that step; torch: median step):")
     torch_stage, torch_span = _torch_costs(r)
     for stage, ((f, b, i, w), (tf, tb)) in enumerate(zip(r["smp_stage_costs"], torch_stage)):
-        split = f" (input {i * 1e3:.1f} + weight {w * 1e3:.1f})" if w else ""
+        split = f" (split ones: input {i * 1e3:.1f} + weight {w * 1e3:.1f})" if w else ""
         print(f"  stage {stage}  forward smp {f * 1e3:6.1f} torch {tf * 1e3:6.1f}  backward smp "
               f"{b * 1e3:6.1f} torch {tb * 1e3:6.1f}  sum smp / torch "
               f"{(f + b) / (tf + tb):.3f}{split}")  # fmt: skip

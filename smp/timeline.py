@@ -125,11 +125,12 @@ class Timeline:
         for ``smp._C.schedule.simulate(schedule, costs)``: how long another order of the same
         pieces, say a static 1F1B or ZB-H1 program, would take (communication free).
 
-        Each type's pieces are summed over the step and divided by the number of microbatches.
-        Where weight gradients ran apart (§4g), ``backward_input`` is the backward pieces,
-        ``backward_weight`` the weight pieces and ``full_backward`` their sum; elsewhere
-        ``full_backward`` and ``backward_input`` are the backward pieces and
-        ``backward_weight`` is 0.
+        Each type's pieces are summed per microbatch and averaged. ``forward`` and
+        ``full_backward`` (backward and weight pieces) are means over every microbatch. Where
+        weight gradients ran apart (§4g: the step's last microbatches on stages after the
+        first), ``backward_input`` is the mean of those microbatches' backward pieces and
+        ``backward_weight`` of their weight pieces; where none did, ``backward_input`` is
+        ``full_backward`` and ``backward_weight`` is 0.
         """
         from smp import _C
 
@@ -137,16 +138,21 @@ class Timeline:
         by_stage = self._by_stage()
         costs = []
         for stage in sorted(by_stage):
-            total = {"F": 0.0, "B": 0.0, "W": 0.0}
-            microbatches = set()
+            per = {"F": {}, "B": {}, "W": {}}  # type -> microbatch -> seconds
             for a in by_stage[stage]:
                 action = parse(a.action)
-                total[action.type] += a.end - a.start
-                microbatches.add(action.microbatch)
-            f, b, w = (total[k] / len(microbatches) for k in "FBW")
+                times = per[action.type]
+                times[action.microbatch] = times.get(action.microbatch, 0.0) + a.end - a.start
+            microbatches = set().union(*per.values())
+            n = len(microbatches)
+            f = sum(per["F"].values()) / n
+            full = (sum(per["B"].values()) + sum(per["W"].values())) / n
+            split = per["W"]
+            i = sum(per["B"].get(mb, 0.0) for mb in split) / len(split) if split else full
+            w = sum(split.values()) / len(split) if split else 0.0
             costs.append(
                 _C.schedule.ActionCosts(
-                    forward=f, full_backward=b + w, backward_input=b, backward_weight=w
+                    forward=f, full_backward=full, backward_input=i, backward_weight=w
                 )
             )
         return costs

@@ -787,6 +787,10 @@ class PipelineRuntime:
             deferred = state.config.microbatches if has_weights else 0
         self.deferred_weights = deferred if splits else 0  # the policy's limit on this rank
         self.split_weights = self.deferred_weights > 0
+        # Only the step's last microbatches split (all of them under a program, which places
+        # every W itself): earlier weight halves have no idle time to fill, and a split
+        # backward costs more than a whole one (design.md §4g).
+        self.split_from = 0 if self.program else state.config.microbatches - self.deferred_weights
         # Not with TP either: its ranks must run the same tasks, slices included. Not where
         # served calls are split: a served call's backward is then one segment, so all of its
         # weight gradients can wait.
@@ -1840,7 +1844,9 @@ class PipelineRuntime:
                     grads,
                     worker.starts[j],
                     boundary_leaves=worker.boundary.values(),
-                    split_weights=self.split_weights and worker.served is not None,
+                    split_weights=self.split_weights
+                    and worker.served is not None
+                    and worker.microbatch >= self.split_from,
                     uses=worker.uses,
                 )
                 if result.weights is not None:

@@ -819,11 +819,12 @@ def _split_worker(deferred: int):
 @pytest.mark.parametrize("deferred", [0, 1, 4])
 def test_weight_gradients_apart_are_exact_and_fail_cleanly(pools, deferred):
     """Stage 1 computes its served calls' input gradients first and their weight gradients as
-    separate tasks (design.md §4g): one per served call and microbatch (2 blocks x 4), none on
-    the leader, none with the split off. Gradients match the reference however many
-    microbatches' weights may wait, and a weight task that fails fails the step everywhere."""
+    separate tasks (design.md §4g) for the step's last ``deferred`` microbatches: one per
+    served call and such microbatch (2 blocks x 1 or 4), none on the leader, none with the
+    split off. Gradients match the reference however many microbatches' weights may wait, and
+    a weight task that fails fails the step everywhere."""
     for rank, result in enumerate(pools.run(2, _split_worker, deferred)):
-        expected = 8 if rank == 1 and deferred else 0
+        expected = 2 * deferred if rank == 1 else 0
         assert [r[0] for i, r in enumerate(result) if i != 2] == [expected] * 3, result
         assert "weight gradient failed on purpose" in result[2], result[2]
         if rank == 0:  # the failing stage raises its own error; the others name where it was
