@@ -2,7 +2,9 @@
 
 ``run_ranks(fn, world, *args)`` spawns ``world`` processes, each of which joins a gloo world on a
 free local port with one CPU thread and calls ``fn(rank, *args)``; whatever rank 0's call returns
-comes back to the caller. ``timed(step, batches, warmup)`` times a training loop on every rank.
+comes back to the caller. ``SMP_BENCH_PIN=1`` in the environment pins process ``rank`` and every
+thread it starts to CPU ``rank`` (modulo the CPUs), as ``taskset`` would: the benchmarks'
+``--pin``. ``timed(step, batches, warmup)`` times a training loop on every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out) -> 
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
     )  # fmt: skip
     torch.set_num_threads(1)
+    if os.environ.get("SMP_BENCH_PIN") == "1":  # before any thread starts: they inherit it
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     result = fn(rank, *args)
     if rank == 0:

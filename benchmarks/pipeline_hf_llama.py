@@ -328,7 +328,15 @@ def main() -> None:
         help="the same model with almost no compute (hidden 32, 8 tokens, vocabulary 64): "
         "the runtimes' own cost per step",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin each process, and every thread it starts, to a CPU of its own (as taskset "
+        "would), for both libraries",
+    )
     args = parser.parse_args()
+    if args.pin:
+        os.environ["SMP_BENCH_PIN"] = "1"  # read by the spawned processes (_launch.py)
     overrides = {"use_cache": False} if args.no_cache else {}
     if args.overhead:
         _shrink()
@@ -346,7 +354,8 @@ def main() -> None:
     median = statistics.median
     print(f"HF LlamaForCausalLM, 8 layers, hidden {HIDDEN}, vocab {VOCAB} (untied), "
           f"{'use_cache=False' if args.no_cache else 'default config'}, p={P}, m={M} "
-          f"microbatches of {MICRO} x {SEQ} tokens; gloo, 1 thread per process")  # fmt: skip
+          f"microbatches of {MICRO} x {SEQ} tokens; gloo, 1 thread per process"
+          f"{', each process pinned to a CPU' if args.pin else ''}")  # fmt: skip
     print(f"smp's layers per stage: {r['placement']['layers']} (layers split across the cut: "
           f"{r['placement']['straddling_layers'] or 'none'}); torch's stages cut before layer "
           f"{r['cut']}")  # fmt: skip
