@@ -22,8 +22,8 @@ served, or a tensor an earlier request brought it), or a :class:`Sent` when the 
 the receiver sent in the request being answered (used for arguments a module modified, whose
 unchanged tensors need not travel back).
 A Ref keeps its slot in the skeleton but sends no payload; a Sent takes no slot.
-:func:`structure` is the skeleton without the slots' ``requires_grad`` flags, as bytes: two
-values with equal structures differ only in their tensors.
+A :class:`Skeleton`'s ``blob`` (the pickle, without the slots' ``requires_grad`` flags) is the
+value's structure: two values with equal structures differ only in their tensors.
 
 Wire form of a skeleton (a uint8 tensor): 4 bytes little-endian slot count n, n bytes of
 ``requires_grad`` flags, then the pickle.
@@ -56,7 +56,6 @@ __all__ = [
     "fill",
     "slots",
     "slots_of",
-    "structure",
     "describe",
     "digest",
     "fingerprint",
@@ -262,12 +261,6 @@ def fill(
 def unpack(skeleton: torch.Tensor, tensors: list, modules=None, sent=None) -> Any:
     """Inverse of :func:`pack`."""
     return fill(Skeleton.of(skeleton), tensors, modules, sent)
-
-
-def structure(skeleton: torch.Tensor) -> tuple[bytes, Skeleton]:
-    """(bytes, skeleton): the structure without the slots' ``requires_grad`` flags."""
-    unpacked = Skeleton.of(skeleton)
-    return unpacked.blob, unpacked
 
 
 def digest(blob: bytes) -> int:

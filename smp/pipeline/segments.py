@@ -376,17 +376,17 @@ def run_segment(
     """
     # Roots that cannot carry a gradient (integer outputs, values that need none) are skipped.
     keep = [i for i, r in enumerate(roots) if isinstance(r, GradientEdge) or r.requires_grad]
-    edges = [r if isinstance(r, GradientEdge) else edge_of(r) for r in (roots[i] for i in keep)]
-    grads = [grads[i] for i in keep]
-    for i, (edge_or_tensor, grad) in enumerate(zip((roots[i] for i in keep), grads)):
+    for i in keep:
         # What torch.autograd.grad checks, for gradients that may come from the user's code
         # (model.backward's grad_tensors); _grad does not check, and the engine would sum a
         # gradient broadcast over a larger shape.
-        if isinstance(edge_or_tensor, torch.Tensor) and grad.shape != edge_or_tensor.shape:
+        if isinstance(roots[i], torch.Tensor) and grads[i].shape != roots[i].shape:
             raise RuntimeError(
-                f"Mismatch in shape: grad_output[{i}] has a shape of {grad.shape} and "
-                f"output[{i}] has a shape of {edge_or_tensor.shape}."
+                f"Mismatch in shape: grad_output[{i}] has a shape of {grads[i].shape} and "
+                f"output[{i}] has a shape of {roots[i].shape}."
             )
+    edges = [r if isinstance(r, GradientEdge) else edge_of(r) for r in (roots[i] for i in keep)]
+    grads = [grads[i] for i in keep]
     boundary_ids = {id(t) for t in boundary_leaves}
     absorbed: dict[int, Any] = {}
     while True:  # each round absorbs at least one node more; the graph is finite

@@ -18,7 +18,6 @@ from smp.pipeline.messages import (
     pack,
     pack_parts,
     slots,
-    structure,
     unpack,
 )
 
@@ -105,12 +104,12 @@ def test_objects_travel_with_their_tensors_taken_out():
     assert back["cache"] is not cache and back["cache"].seen == 4
     assert back["cache"].keys[1] is tensors[1]
     # The structure ignores requires_grad and tensor contents, not the object's other state.
-    same, _ = structure(pack({"cache": cache, "layer": layer}, modules={id(layer): "h.0"})[0])
-    assert same == structure(skeleton)[0]
+    same = pack_parts({"cache": cache, "layer": layer}, modules={id(layer): "h.0"})[0].blob
+    assert same == Skeleton.of(skeleton).blob
     cache.seen += 1
-    changed, _ = structure(pack({"cache": cache, "layer": layer}, modules={id(layer): "h.0"})[0])
-    assert changed != structure(skeleton)[0]
-    assert "Cache(keys=list(Tensor, Tensor), seen=5)" in describe(structure(pack(cache)[0])[1])
+    changed = pack_parts({"cache": cache, "layer": layer}, modules={id(layer): "h.0"})[0].blob
+    assert changed != Skeleton.of(skeleton).blob
+    assert "Cache(keys=list(Tensor, Tensor), seen=5)" in describe(pack_parts(cache)[0])
 
 
 def test_hugging_face_caches_round_trip():
