@@ -7,6 +7,12 @@ backward), alternating the three each round. Prints every round and the medians;
 the median of the per-round ratios.
 
     .venv/bin/python benchmarks/data_parallel.py [--steps 30] [--rounds 5] [--json out.json]
+
+``--pp 2``: pipeline stages reduced over their replicas (design.md §2a, per stage): four
+processes (pp 2 x dp 2, 4 microbatches), smp as it is by default (each stage's buckets during its
+backward), with ``overlapping_allreduce=False`` (``allreduce_mean_`` after the step), and with
+the same bucket plan issued after the step (as before the per-stage overlap). No peer runs there:
+torch has no pipeline that takes this model unchanged with DDP over its stages.
 """
 
 from __future__ import annotations
@@ -39,6 +45,19 @@ def _batches(steps: int, batch: int, rank: int):
     g = torch.Generator().manual_seed(1000 + rank)
     tokens = torch.randint(0, 256, (steps, batch, 65), generator=g)
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def _reducing_after_step(model, smp_step):
+    """``smp_step`` with the same model and optimizer reducing after the step."""
+
+    def run(x, y):
+        model.overlapping_allreduce = False
+        try:
+            smp_step(x, y)
+        finally:
+            model.overlapping_allreduce = True
+
+    return run
 
 
 def _worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict | None:
@@ -90,12 +109,7 @@ def _worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict 
         lm_loss(ddp(x), y).backward()
         ddp_opt.step()
 
-    def smp_after_step(x, y):  # the same model and optimizer, reduced after the step
-        model.overlapping_allreduce = False
-        try:
-            smp_step(x, y)
-        finally:
-            model.overlapping_allreduce = True
+    smp_after_step = _reducing_after_step(model, smp_step)
 
     # Alternate the three each round, so drift in machine load hits all alike.
     runs = {"smp": smp_step, "smp_after_step": smp_after_step, "ddp": ddp_step}
@@ -120,13 +134,109 @@ def _worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict 
     return {"rounds": rounds_out, "phase_ms": medians}
 
 
+def _pp_worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> dict | None:
+    from model import lm_loss
+
+    import smp
+
+    warmup = 3
+    smp.init({"microbatches": 4, "pipeline_parallel_degree": 2, "ddp": True})
+    batches = _batches(steps + warmup, batch, smp.dp_rank())
+    model = smp.DistributedModel(_model(0))
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = lm_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    def smp_step(x, y):
+        opt.zero_grad()
+        train_step(model, x, y)
+        opt.step()
+
+    smp_step(*batches[0])  # partitions; makes the stage's plan
+    plan = model._reduction
+
+    def smp_plan_at_end(x, y):  # as before the per-stage overlap: the plan after the step
+        plan.arm_counted = lambda: None
+        try:
+            smp_step(x, y)
+        finally:
+            del plan.arm_counted
+
+    smp_after_step = _reducing_after_step(model, smp_step)
+
+    runs = {"smp": smp_step, "smp_after_step": smp_after_step, "plan_at_end": smp_plan_at_end}
+    samples = steps * batch * smp.dp_size()
+    rounds_out, early = [], []
+    for _ in range(rounds):
+        result = {}
+        for name, run in runs.items():
+            result[name] = samples / timed(run, batches, warmup)
+            if name == "smp":
+                early.append((plan.issued_early, len(plan.buckets)))
+        rounds_out.append(result)
+    out = {
+        "rounds": rounds_out,
+        "stage": smp.pp_rank(),
+        "bytes_per_stage": sum(
+            p.numel() * p.element_size() for b in plan.buckets for p in b.params
+        ),
+        "issued_early": early,
+    }
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, out)
+    smp.shutdown()
+    return {"ranks": gathered}
+
+
+def main_pp(args) -> None:
+    result = run_ranks(_pp_worker, 4, 4, args.steps, args.batch, args.rounds)
+    ranks = result["ranks"]
+    rounds = ranks[0]["rounds"]
+    print(
+        f"pp 2 x dp 2 (4 gloo processes, CPU, 1 thread each), GPT 0.8M params, 4 microbatches, "
+        f"{args.batch} samples/replica/step"
+    )
+    print("samples/s  overlapped  after step  plan at end  overlapped/after  overlapped/at end")
+    for i, r in enumerate(rounds):
+        print(
+            f"round {i:3d}  {r['smp']:10.1f}  {r['smp_after_step']:10.1f}  {r['plan_at_end']:11.1f}"
+            f"  {r['smp'] / r['smp_after_step']:16.3f}  {r['smp'] / r['plan_at_end']:17.3f}"
+        )
+    median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    print(
+        f"median     {median['smp']:10.1f}  {median['smp_after_step']:10.1f}"
+        f"  {median['plan_at_end']:11.1f}"
+    )
+    for key, label in (("smp_after_step", "after step"), ("plan_at_end", "plan at end")):
+        ratio = statistics.median(r["smp"] / r[key] for r in rounds)
+        result[f"ratio_over_{key}"] = ratio
+        print(f"overlapped / {label} = {ratio:.3f} (median of {len(rounds)} rounds)")
+    for stage in (0, 1):
+        r = next(x for x in ranks if x["stage"] == stage)  # its replicas' plans are the same
+        issued = ", ".join(f"{a}/{b}" for a, b in r["issued_early"])
+        print(
+            f"stage {stage}: {r['bytes_per_stage'] / 2**20:.2f} MiB over its replicas per step; "
+            f"buckets issued during the backward per round: {issued}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     parser.add_argument("--rounds", type=int, default=5, help="alternating timed rounds")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--pp", type=int, default=1, choices=(1, 2), help="2: pp 2 x dp 2")
     args = parser.parse_args()
+    if args.pp == 2:
+        main_pp(args)
+        return
     result = run_ranks(_worker, 2, 2, args.steps, args.batch, args.rounds)
     rounds = result["rounds"]
     print(f"world 2 (gloo, CPU, 1 thread each), GPT 0.8M params, {args.batch} samples/rank/step")

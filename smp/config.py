@@ -98,8 +98,8 @@ class Config:
     """Data parallelism over the ranks left after pp x tp."""
     overlapping_allreduce: bool = True
     """Reduce gradient buckets during the step's last backward, as they become final (with
-    ``DistributedModel(overlapping_allreduce=...)``: both must be True); False reduces them after
-    the step."""
+    ``DistributedModel(overlapping_allreduce=...)``: both must be True; under pipeline parallelism
+    per stage, from the second step on); False reduces them after the step."""
     prescaled_batch: bool = False
     """All ranks of a TP group receive the same batch (Megatron semantics)."""
     shard_optimizer_state: bool = False

@@ -799,6 +799,10 @@ class DistributedModel(nn.Module):
             (p.grad, None if p.grad is None else p.grad._version) for p in self._grad_params
         ]
         self._step_backward_count = 0
+        if self._runtime is not None and self._window_position == self.backward_passes_per_step - 1:
+            reduction = self._overlapped_reduction()
+            if reduction is not None:  # a stage's last backward is the whole step's (reduction.py)
+                reduction.arm_counted()
 
     def _grads_changed(self) -> bool:
         """Whether a gradient was set or added to since ``_begin_step``."""
@@ -841,6 +845,9 @@ class DistributedModel(nn.Module):
                 return group, float(divisor * num_mb)
 
             params = [p for p in self._grad_params if not sharded.is_sharded(p)]
+            if self._runtime is not None:  # a stage reduces its own parameters over its dp group
+                local = {id(p) for p in self.local_parameters()}
+                params = [p for p in params if id(p) in local]
             self._reduction = GradReduction(params, key, state.groups, self.bucket_bytes)
         return self._reduction
 
@@ -903,8 +910,9 @@ class DistributedModel(nn.Module):
             if stale:
                 logger.warning(
                     "smp: a gradient changed after its bucket's all-reduce had started (a second "
-                    "backward in the last microbatch, or .grad edited in the step function); "
-                    "the gradients were reduced again after the step"
+                    "backward in the last microbatch, .grad edited in the step function, or on a "
+                    "pipeline stage more accumulations than the last window's); the gradients "
+                    "were reduced again after the step"
                 )
             overlapped.finish({id(p): bool(u) for p, u in zip(self._grad_params, union)}, stale)
         elif self._comm_hook is not None:

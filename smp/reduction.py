@@ -18,6 +18,14 @@ issued a bucket early (``issued_anywhere``: then a failed step's ranks still com
 sequence before dropping it) and whether a gradient changed after its bucket was issued
 (``stale``: a second backward in the last microbatch, or the step function editing ``.grad``;
 then every rank reduces again from the final gradients).
+
+A pipelined stage (``arm_counted``) has no single last backward: the last microbatch's backward
+comes to it in pieces (one per module call, a tied weight's at both ends), and deferred weight
+halves of earlier microbatches may run after it. There a parameter is final once it has had as
+many accumulations in the step as it had in the last window (``segments.accumulate`` runs the
+hooks as autograd's accumulator does). The counts are learned: the first window only counts and
+issues every bucket at the end; a structure that changes is caught as a stale bucket (more
+accumulations than expected) or merely issued late (fewer), never reduced wrong.
 """
 
 from __future__ import annotations
@@ -77,6 +85,11 @@ class GradReduction:
         self._pending: dict[str, _C.PendingAllreduces] = {}
         self.armed = False
         self._stale = False
+        # Pipelined stages (arm_counted): accumulations per parameter id this window, and how
+        # many made each final in the last finished window (None: no such window yet).
+        self._counting = False
+        self._counts: dict[int, int] = {}
+        self._expected: dict[int, int] | None = None
         self.issued_early = 0  # buckets the last finished window issued during its backward
         self._absent: set[int] = set()  # ids of the parameters without a gradient last window
         # kind -> [open bucket, its bytes, buckets of this kind so far]
@@ -125,6 +138,20 @@ class GradReduction:
         for group in self._order:
             self._issue_ready(group)
 
+    def arm_counted(self) -> None:
+        """The coming step is the last of the window on a pipelined stage: every accumulation
+        of it counts, in whatever order the stage's tasks run. A parameter is final when its
+        count reaches the last finished window's; one that had none there is final from the
+        start (its bucket goes out with the first issue after it). Without a finished window
+        nothing is final before the end: this window only learns the counts."""
+        self.armed = bool(self.buckets)
+        self._counting = self.armed
+        self._counts = {}
+        if not self.armed or self._expected is None:
+            return
+        for bucket in self.buckets:
+            bucket.ready.update(id(p) for p in bucket.params if not self._expected.get(id(p)))
+
     def issued(self) -> int:
         """How many buckets this step has issued so far."""
         return sum(b.issued for b in self.buckets)
@@ -142,8 +169,13 @@ class GradReduction:
         if not self.armed:
             return
         bucket = self._where[id(p)]
+        count = 0
+        if self._counting:  # every accumulation counts, those after the issue too
+            count = self._counts[id(p)] = self._counts.get(id(p), 0) + 1
         if bucket.issued:  # accumulated into again: the copy being reduced is old
             self._stale = True
+            return
+        if self._counting and (self._expected is None or count != self._expected.get(id(p))):
             return
         bucket.ready.add(id(p))
         if bucket.complete:
@@ -175,6 +207,8 @@ class GradReduction:
         divisor. ``stale`` (agreed) reduces again from the final gradients."""
         self.issued_early = self.issued()
         self._absent = {id(p) for b in self.buckets for p in b.params if p.grad is None}
+        if self._counts:  # what the next window expects (a failed or shadow one teaches nothing)
+            self._expected = dict(self._counts)
         try:
             if stale:  # complete the sequence the peers expect, drop it, start over
                 self._issue_rest()
@@ -217,7 +251,8 @@ class GradReduction:
             bucket.ready.clear()
             bucket.issued, bucket.marks = False, []
         self._next = dict.fromkeys(self._order, 0)
-        self.armed = self._stale = False
+        self.armed = self._stale = self._counting = False
+        self._counts = {}
 
 
 def _reachable(roots: Sequence[torch.Tensor]) -> set[int]:

@@ -338,7 +338,10 @@ def _weight_groups(
 
 
 def accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Adds each gradient into its parameter's ``.grad``, as autograd's accumulator would."""
+    """Adds each gradient into its parameter's ``.grad``, as autograd's accumulator would, and
+    then runs the parameter's post-accumulate-grad hooks as it would: those a user registered,
+    and the overlapped gradient reduction's (smp/reduction.py), see every accumulation of a
+    pipelined stage as they would without the pipeline."""
     for param, grad in zip(params, grads):
         if grad is None:
             continue
@@ -346,6 +349,10 @@ def accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | No
             param.grad = grad.detach().clone(memory_format=torch.contiguous_format)
         else:
             param.grad.add_(grad)
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None)  # torch's own registry
+        if hooks:
+            for hook in list(hooks.values()):
+                hook(param)
 
 
 def run_segment(

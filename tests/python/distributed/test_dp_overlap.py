@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from models import tiny_hf_model
+from models import assert_owned_grads_match, tiny_hf_model
 from torch import nn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -274,3 +274,131 @@ def test_failure_after_buckets_went_out_on_a_peer(pools):
     assert results[1]["error"].startswith("KeyError")
     assert "StepFailedError" in results[0]["error"] and "boom" in results[0]["error"]
     assert all(r["seconds"] < 10 for r in results), results
+
+
+# ---- per stage under pipeline parallelism (reduction.py: arm_counted) -----------------------
+
+
+def _pp_worker(name: str, variants: list[str]) -> dict:
+    """pp 2 x dp 2, 2 microbatches, an unmodified HF model with its default config; replica r
+    trains on ``_rank_batch(r, step)`` (its own lengths, padding on replica 1 only) and the
+    reference on both. Per step, ``variants``: "once" (one forward per microbatch), "twice" (two
+    forwards, the second on the sequences reversed, the mean of both losses: twice the
+    accumulations on every stage), "fail" (replica
+    1's leader raises before the last microbatch's backward; its peers' buckets are out)."""
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True})
+    replica, stage = smp.dp_rank(), smp.pp_rank()
+    torch.manual_seed(0)
+    reference = tiny_hf_model(name)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(tiny_hf_model(name), bucket_cap_mb=SMALL_BUCKETS_MB)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("smp").addHandler(handler)
+    variant = ["once"]
+
+    @smp.step
+    def train_step(model, ids, mask):
+        loss = _llama_loss(model, ids, mask)
+        if variant[0] == "twice":
+            loss = (loss + _llama_loss(model, ids.flip(1), mask.flip(1))) / 2
+        if variant[0] == "fail" and replica == 1 and smp.microbatch() == 1:
+            raise KeyError("boom before the last backward")
+        model.backward(loss)
+        return loss
+
+    result: dict = {"issued_early": [], "first_issue_at": [], "accumulations": [], "error": None}
+    marks: list[int] = []  # accumulations counted on this stage when each bucket went out
+    for step, variant[0] in enumerate(variants):
+        reduction = model._reduction
+        if reduction is not None and not hasattr(reduction, "_test_issue"):
+            reduction._test_issue = reduction._issue
+
+            def issue(bucket, reduction=reduction):
+                marks.append(sum(reduction._counts.values()))
+                reduction._test_issue(bucket)
+
+            reduction._issue = issue
+        ids, mask = _rank_batch(replica, step)
+        if variant[0] == "fail":
+            before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            start = time.monotonic()
+            with pytest.raises(Exception) as info:
+                train_step(model, ids, mask)
+            result["seconds"] = time.monotonic() - start
+            result["error"] = f"{type(info.value).__name__}: {info.value}"
+            after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            assert list(after) == list(before)
+            for n, grad in before.items():
+                torch.testing.assert_close(after[n], grad, rtol=0, atol=0)
+            continue
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        marks.clear()
+        loss = train_step(model, ids, mask).reduce_mean().item()
+        reference_loss = 0.0
+        for r in range(2):  # the global batch: every replica's microbatches, each its own mean
+            r_ids, r_mask = _rank_batch(r, step)
+            for i, m in zip(r_ids.chunk(2), r_mask.chunk(2)):
+                part = _llama_loss(reference, i, m) / 4
+                if variant[0] == "twice":
+                    part = (part + _llama_loss(reference, i.flip(1), m.flip(1)) / 4) / 2
+                part.backward()
+                if r == replica:
+                    reference_loss += part.item() * 2
+        assert abs(loss - reference_loss) < 1e-5, (step, loss, reference_loss)
+        assert_owned_grads_match(model, reference, stage, TOL)
+        optimizer.step()
+        reference_optimizer.step()
+        for (n, p), (_, q) in zip(model.module.named_parameters(), reference.named_parameters()):
+            if model._owns(n):
+                torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+        reduction = model._reduction
+        result["issued_early"].append(reduction.issued_early)
+        result["first_issue_at"].append(marks[0] if marks else None)
+        result["accumulations"].append(sum(reduction._expected.values()))
+    logging.getLogger("smp").removeHandler(handler)
+    local = [p for p in model.local_parameters() if p.requires_grad]
+    result["buckets"] = len(reduction.buckets)
+    result["planned"] = sorted(id(p) for b in reduction.buckets for p in b.params)
+    result["local"] = sorted(id(p) for p in local)
+    result["stage"] = stage
+    result["reduced_again"] = sum("reduced again" in r for r in records)
+    return result
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_per_stage_under_pipeline_with_different_data_per_replica(pools, name):
+    """Each stage's buckets go out during its backward from the second step on, the first of
+    them well before the stage's last accumulation; only the stage's own parameters are in its
+    plan; GPT-2's tied embedding (two accumulations per microbatch on its stage) is counted.
+    A step whose structure changes (two forwards) is caught and reduced again, the one after it
+    is issued at the end, and the one after that overlaps again: exact throughout."""
+    variants = ["once", "once", "twice", "once", "once"]
+    results = pools.run(4, _pp_worker, name, variants)
+    assert sorted(r["stage"] for r in results) == [0, 0, 1, 1]
+    for r in results:
+        assert r["planned"] == r["local"], "a stage's plan holds exactly its own parameters"
+        assert r["buckets"] > 5, r["buckets"]
+        early = r["issued_early"]
+        assert early[0] == 0 and early[1] == r["buckets"] and early[4] == r["buckets"], r
+        assert early[2] > 0 and early[3] == 0, r  # stale (some went early), then late
+        assert r["reduced_again"] == 1, r
+        # Overlapped: the first bucket left before the stage's last accumulation (a bucket goes
+        # out when the engine call that made it final returns: one per interval of a worker).
+        for step in (1, 4):
+            assert r["first_issue_at"][step] < r["accumulations"][step], r
+        assert r["accumulations"][2] == 2 * r["accumulations"][1], r
+
+
+def test_per_stage_failure_after_buckets_went_out_on_the_other_replica(pools):
+    results = pools.run(4, _pp_worker, "llama", ["once", "once", "fail", "once"])
+    for r in results:
+        assert r["error"] is not None and "boom" in r["error"], r["error"]
+        assert r["seconds"] < 10, r
+        assert r["issued_early"] == [0, r["buckets"], r["buckets"]], r

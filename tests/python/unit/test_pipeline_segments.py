@@ -331,3 +331,39 @@ def test_weight_split_of_a_checkpointed_module():
 
     for got, expected in zip(run(True), run(False)):
         assert torch.equal(got, expected)
+
+
+def _hooked(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Records each post-accumulate-grad hook call of ``block``'s parameters: (name, .grad)."""
+    seen: list[tuple[str, torch.Tensor]] = []
+    for name, p in block.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda t, n=name: seen.append((n, t.grad.clone())))
+    return seen
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_post_accumulate_grad_hooks_run_as_autograd_runs_them(split):
+    """Every parameter's post-accumulate-grad hooks run once per accumulation, with ``.grad``
+    already holding it, in the whole segment and in a weight half alike: a user's hooks see
+    what they would without the pipeline, and the overlapped reduction counts them."""
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    reference = _Block()
+    expected = _hooked(reference)
+    out, side = reference(x.clone().requires_grad_())
+    torch.autograd.backward([out, side], [torch.ones_like(out), torch.full_like(side, 0.5)])
+
+    block = _Block()
+    seen = _hooked(block)
+    leaf = x.clone().requires_grad_()
+    start = mark()
+    out, side = block(leaf)
+    grads = [torch.ones_like(out), torch.full_like(side, 0.5)]
+    result = run_segment([out, side], grads, start, boundary_leaves=[leaf], split_weights=split)
+    assert (result.weights is not None) == split
+    if split:
+        assert {n for n, _ in seen} == {"tied.weight", "tied.bias", "scale"}  # the input half's
+        result.weights.run()
+    assert sorted(n for n, _ in seen) == sorted(n for n, _ in expected)  # each once
+    want = dict(expected)
+    for name, grad in seen:
+        torch.testing.assert_close(grad, want[name], msg=name)
