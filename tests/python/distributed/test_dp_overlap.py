@@ -279,13 +279,15 @@ def test_failure_after_buckets_went_out_on_a_peer(pools):
 # ---- per stage under pipeline parallelism (reduction.py: arm_counted) -----------------------
 
 
-def _pp_worker(name: str, variants: list[str]) -> dict:
+def _pp_worker(name: str, variants: list[str], passes: int = 1) -> dict:
     """pp 2 x dp 2, 2 microbatches, an unmodified HF model with its default config; replica r
     trains on ``_rank_batch(r, step)`` (its own lengths, padding on replica 1 only) and the
     reference on both. Per step, ``variants``: "once" (one forward per microbatch), "twice" (two
     forwards, the second on the sequences reversed, the mean of both losses: twice the
     accumulations on every stage), "fail" (replica
-    1's leader raises before the last microbatch's backward; its peers' buckets are out)."""
+    1's leader raises before the last microbatch's backward; its peers' buckets are out).
+    With ``passes`` > 1 (``backward_passes_per_step``) gradients are compared, and the counts
+    recorded, at the end of each window."""
     import smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True})
@@ -293,7 +295,9 @@ def _pp_worker(name: str, variants: list[str]) -> dict:
     torch.manual_seed(0)
     reference = tiny_hf_model(name)
     torch.manual_seed(0)
-    model = smp.DistributedModel(tiny_hf_model(name), bucket_cap_mb=SMALL_BUCKETS_MB)
+    model = smp.DistributedModel(
+        tiny_hf_model(name), bucket_cap_mb=SMALL_BUCKETS_MB, backward_passes_per_step=passes
+    )
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     records: list[str] = []
@@ -337,9 +341,10 @@ def _pp_worker(name: str, variants: list[str]) -> dict:
             for n, grad in before.items():
                 torch.testing.assert_close(after[n], grad, rtol=0, atol=0)
             continue
-        optimizer.zero_grad()
-        reference_optimizer.zero_grad()
-        marks.clear()
+        if step % passes == 0:
+            optimizer.zero_grad()
+            reference_optimizer.zero_grad()
+            marks.clear()
         loss = train_step(model, ids, mask).reduce_mean().item()
         reference_loss = 0.0
         for r in range(2):  # the global batch: every replica's microbatches, each its own mean
@@ -352,6 +357,8 @@ def _pp_worker(name: str, variants: list[str]) -> dict:
                 if r == replica:
                     reference_loss += part.item() * 2
         assert abs(loss - reference_loss) < 1e-5, (step, loss, reference_loss)
+        if step % passes != passes - 1:
+            continue
         assert_owned_grads_match(model, reference, stage, TOL)
         optimizer.step()
         reference_optimizer.step()
@@ -402,3 +409,12 @@ def test_per_stage_failure_after_buckets_went_out_on_the_other_replica(pools):
         assert r["error"] is not None and "boom" in r["error"], r["error"]
         assert r["seconds"] < 10, r
         assert r["issued_early"] == [0, r["buckets"], r["buckets"]], r
+
+
+def test_per_stage_under_pipeline_with_backward_passes_per_step(pools):
+    """Two backward passes per step: each stage's buckets go out during the window's last step
+    (its counts learned from the first window's), with the sum of both passes."""
+    results = pools.run(4, _pp_worker, "llama", ["once"] * 6, 2)
+    for r in results:
+        assert r["issued_early"] == [0, r["buckets"], r["buckets"]], r
+        assert all(at < n for at, n in zip(r["first_issue_at"][1:], r["accumulations"][1:])), r
