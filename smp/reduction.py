@@ -169,13 +169,14 @@ class GradReduction:
         if not self.armed:
             return
         bucket = self._where[id(p)]
-        count = 0
+        final = True  # one accumulation per backward (arm), or the learned count (arm_counted)
         if self._counting:  # every accumulation counts, those after the issue too
             count = self._counts[id(p)] = self._counts.get(id(p), 0) + 1
+            final = self._expected is not None and count == self._expected.get(id(p))
         if bucket.issued:  # accumulated into again: the copy being reduced is old
             self._stale = True
             return
-        if self._counting and (self._expected is None or count != self._expected.get(id(p))):
+        if not final:
             return
         bucket.ready.add(id(p))
         if bucket.complete:
