@@ -520,8 +520,11 @@ def _dangling_worker():
 def test_a_stage_stays_for_quiet_calls_still_waiting_for_gradients(pools):
     # From step 2 b2's calls are quiet (stage 2 sends the leader no REPLY), and stage 1 sends
     # b2's gradients after its end of step: stage 2 waited for them, and every step is exact.
+    # Steps 0 and 1 learn: the structure from the first REPLY, then that the leader only passes
+    # the output on. How many of their calls are already quiet depends on which microbatch
+    # finishes first, so step 0 counts 1 to 4 REPLYs (the first call is always answered).
     replies = pools.run(3, _dangling_worker)[2]
-    assert replies[0] == 4 and replies[2:] == [0, 0], replies
+    assert 1 <= replies[0] <= 4 and replies[2:] == [0, 0], replies
 
 
 class HeadOnStage1(nn.Module):
