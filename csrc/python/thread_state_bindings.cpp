@@ -6,6 +6,7 @@
 // modes, functorch levels. at::ThreadLocalState is torch's own record of exactly that set (the
 // autograd engine and at::launch carry it across threads the same way); the autocast dtypes and
 // cache flag, which it leaves out, are carried by the runtime in Python.
+#include <ATen/SequenceNumber.h>
 #include <ATen/ThreadLocalState.h>
 
 #include <memory>
@@ -42,6 +43,11 @@ class ThreadStateGuard {
 }  // namespace
 
 void init_thread_state_bindings(py::module_& m) {
+  m.def(
+      "next_sequence_nr", [] { return at::sequence_number::peek(); },
+      R"doc(The sequence number the next autograd node created by the calling thread will get
+(at::sequence_number::peek: a thread-local counter that only node construction advances).)doc");
+
   py::class_<at::ThreadLocalState, std::shared_ptr<at::ThreadLocalState>>(
       m, "ThreadState",
       R"doc(torch's thread-local state of the calling thread, captured when constructed

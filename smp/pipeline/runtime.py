@@ -522,7 +522,7 @@ class _Worker:
         any autograd node), so its backward is a separate task (design.md §4e)."""
         if self.next_interval != -1 or not self.grad or not torch.is_grad_enabled():
             return  # not in this worker's forward (a recomputation in backward), or no graph
-        if segments.mark() == self.starts[-1] + 1:
+        if segments.mark() == self.starts[-1]:
             return  # nothing recorded since the interval started
         self.calls.append(_Call(_SLICE, self.runtime.stage, self, False, [], []))
         self.new_interval()

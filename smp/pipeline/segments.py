@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from smp import _C
+
 try:  # the engine call under torch.autograd.grad, without its checks (see _grad)
     from torch.autograd.graph import _engine_run_backward
 except ImportError:  # pragma: no cover - torch without it: the public call
@@ -63,13 +65,14 @@ EdgeKey = tuple[int, int]  # (id of the autograd node, output number)
 
 
 def mark() -> int:
-    """The autograd sequence number the next node created by this thread will get (or above).
+    """The autograd sequence number the next node created by this thread will get.
 
-    Costs one tiny autograd node. Only meaningful with grad mode on.
+    Sequence numbers are per thread and only node construction advances them, so two marks
+    are equal exactly when no node was created between them. Read from torch's counter
+    (``smp._C.next_sequence_nr``); building a probe node for it, as this did before, cost a few
+    microseconds per mark, and the pipeline marks at every interval and large module.
     """
-    with torch.enable_grad():
-        probe = torch.zeros((), requires_grad=True).clone()
-    return probe.grad_fn._sequence_nr() + 1
+    return _C.next_sequence_nr()
 
 
 def edge_of(tensor: torch.Tensor) -> GradientEdge:

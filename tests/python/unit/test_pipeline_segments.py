@@ -107,6 +107,24 @@ def test_module_reused_across_intervals_accumulates(shared):
     torch.testing.assert_close(lin.weight.grad, expected)
 
 
+def test_mark_is_the_next_nodes_sequence_number_and_moves_only_with_nodes():
+    import threading
+
+    w = torch.randn(3, requires_grad=True)
+    before = mark()
+    with torch.no_grad():
+        torch.sin(w)  # no node: the mark stays
+    assert mark() == before
+    y = w * 2
+    assert y.grad_fn._sequence_nr() == before
+    assert mark() == before + 1
+    other = []  # another thread's nodes do not move this thread's counter
+    thread = threading.Thread(target=lambda: other.append((mark(), (w * 3).grad_fn)))
+    thread.start()
+    thread.join()
+    assert mark() == before + 1 and other[0][1]._sequence_nr() == other[0][0]
+
+
 def test_unused_and_integer_outputs_are_skipped():
     c0 = mark()
     w = torch.randn(3, requires_grad=True)
