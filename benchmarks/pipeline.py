@@ -2,14 +2,18 @@
 
 1. Samples/s of the demo GPT (8 layers, n_embd 256, 32 samples of 64 tokens per step) trained
    with smp at pipeline_parallel_degree = 2, microbatches = 8 (2 gloo processes, one thread
-   each), against the same model and batch in one process (one thread).
+   each), against the same model and batch in one process (one thread: rank 0 of the same
+   processes while rank 1 waits), in alternating rounds; the ratio is the median of the
+   rounds' ratios, every round printed. Also timed there: the batch in the same 8 microbatches
+   with gradients accumulated, which prices the smaller pieces apart from the pipeline.
 2. Round trip of one cross-stage call to a trivial module: a root on stage 0 calls a module
    pinned on stage 1 many times in an evaluation step; time per call, beside a bare gloo round
    trip between the same processes (a 4 KiB tensor each way, the size of smp's message header),
    and what each costs each rank: CPU time (user + system) and voluntary context switches per
    round trip (getrusage over the timed calls; Linux: TCP segments sent per round trip).
 
-    .venv/bin/python benchmarks/pipeline.py [--steps 10] [--only roundtrip] [--json out.json]
+    .venv/bin/python benchmarks/pipeline.py [--steps 10] [--rounds 5] [--only roundtrip]
+                                            [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,7 +36,7 @@ sys.path.insert(0, str(ROOT / "examples" / "gpt"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _launch import run_ranks  # noqa: E402
 
-BATCH, SEQ = 32, 64
+BATCH, SEQ, MICROBATCHES = 32, 64, 8
 
 
 def _gpt():
@@ -47,10 +52,11 @@ def _data(steps: int):
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
-def single_process(steps: int, warmup: int) -> float:
+def single_process(steps: int, warmup: int, microbatches: int = 1) -> float:
+    """Samples/s of the model in this process, each batch in ``microbatches`` pieces whose
+    gradients accumulate (1: the whole batch at once)."""
     from model import lm_loss
 
-    torch.set_num_threads(1)
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = _data(steps + warmup)
@@ -58,7 +64,8 @@ def single_process(steps: int, warmup: int) -> float:
         if i == warmup:
             start = time.perf_counter()
         opt.zero_grad()
-        lm_loss(model(x), y).backward()
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            (lm_loss(model(xs), ys) / microbatches).backward()
         opt.step()
     return steps * BATCH / (time.perf_counter() - start)
 
@@ -148,12 +155,14 @@ def _tcp_out_segments() -> int:
         return -1
 
 
-def _train(steps: int, warmup: int) -> tuple[float, str]:
+def _train(steps: int, warmup: int) -> tuple[float, str, float]:
+    """Samples/s at pp = 2, the partition report, and this rank's CPU seconds per step (every
+    thread)."""
     from model import lm_loss
 
     import smp
 
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 8})
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES})
     model = smp.DistributedModel(_gpt())
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
 
@@ -167,15 +176,16 @@ def _train(steps: int, warmup: int) -> tuple[float, str]:
     for i, (x, y) in enumerate(data):
         if i == warmup:
             dist.barrier()
-            start = time.perf_counter()
+            cost, start = _Cost(), time.perf_counter()
         opt.zero_grad()
         train_step(model, x, y)
         opt.step()
     dist.barrier()
     samples_per_s = steps * BATCH / (time.perf_counter() - start)
+    cpu_s = cost.per(steps)["cpu_us"] / 1e6
     report = model.partition_report()
     smp.shutdown()
-    return samples_per_s, report
+    return samples_per_s, report, cpu_s
 
 
 def _gathered(cost: dict) -> list[dict]:
@@ -235,10 +245,26 @@ def _round_trips(rank: int, calls: int = 200, steps: int = 5) -> dict:
     }
 
 
-def _worker(rank: int, steps: int, warmup: int, only: str | None) -> dict | None:
+def _worker(rank: int, steps: int, warmup: int, rounds: int, only: str | None) -> dict | None:
     result: dict = {}
     if only != "roundtrip":
-        result["pp2_samples_per_s"], result["partition"] = _train(steps, warmup)
+        single, accumulated, pp2, cpu = [], [], [], []
+        for _ in range(rounds):  # alternating, in the same processes: the machine's speed drifts
+            dist.barrier()
+            if rank == 0:  # one process, one thread; rank 1 waits in the barrier
+                single.append(single_process(steps, warmup))
+                accumulated.append(single_process(steps, warmup, MICROBATCHES))
+            dist.barrier()
+            samples_per_s, result["partition"], cpu_s = _train(steps, warmup)
+            pp2.append(samples_per_s)
+            cpu.append(cpu_s)
+        cpus = _gathered(cpu)  # [rank][round]
+        if rank == 0:  # the result returned
+            result["single_samples_per_s"], result["pp2_samples_per_s"] = single, pp2
+            result["accumulated_samples_per_s"] = accumulated
+            result["pp2_cpu_s_per_step"] = cpus
+            result["ratios_pp2_over_single"] = [b / a for a, b in zip(single, pp2)]
+            result["ratio_pp2_over_single"] = statistics.median(result["ratios_pp2_over_single"])
     result.update(_round_trips(rank))
     return result
 
@@ -268,22 +294,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=["roundtrip"], help="skip the throughput comparison")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    result = run_ranks(_worker, 2, args.steps, args.warmup, args.only)
+    result = run_ranks(_worker, 2, args.steps, args.warmup, args.rounds, args.only)
     if args.only is None:
-        result["single_samples_per_s"] = single_process(args.steps, args.warmup)
-        result["ratio_pp2_over_single"] = (
-            result["pp2_samples_per_s"] / result["single_samples_per_s"]
-        )
         print(result.pop("partition"))
         print(
-            f"GPT 8 layers n_embd 256, {BATCH} x {SEQ} tokens per step, gloo, 1 thread per process"
+            f"GPT 8 layers n_embd 256, {BATCH} x {SEQ} tokens per step, gloo, 1 thread per "
+            f"process; {args.rounds} alternating rounds"
         )
-        print(f"one process            {result['single_samples_per_s']:8.1f} samples/s")
-        print(f"smp pp=2, 8 microbatch {result['pp2_samples_per_s']:8.1f} samples/s")
-        print(f"pp=2 / one process     {result['ratio_pp2_over_single']:.3f}")
+
+        def row(values: list[float], spec: str) -> str:
+            return " ".join(format(v, spec) for v in values)
+
+        single, pp2 = result["single_samples_per_s"], result["pp2_samples_per_s"]
+        print(f"one process, samples/s       {row(single, '6.1f')}")
+        print(f"one process, 8 microbatches  {row(result['accumulated_samples_per_s'], '6.1f')}")
+        print(f"smp pp=2, 8 microbatches     {row(pp2, '6.1f')}")
+        print(f"pp=2 / one process           {row(result['ratios_pp2_over_single'], '6.3f')}")
+        print(f"pp=2 / one process, median   {result['ratio_pp2_over_single']:.3f}")
+        accumulated = result["accumulated_samples_per_s"]
+        print(
+            "pp=2 / one process with 8 microbatches, median "
+            f"{statistics.median(b / a for a, b in zip(accumulated, pp2)):.3f}"
+        )
+        work = [BATCH / a for a in accumulated]  # the microbatched step's CPU in one process
+        print(f"CPU s per step: one process, 8 microbatches  {row(work, '6.3f')}")
+        for rank, per_round in enumerate(result["pp2_cpu_s_per_step"]):
+            print(f"                smp pp=2, stage {rank}            {row(per_round, '6.3f')}")
     _print_round_trips(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
