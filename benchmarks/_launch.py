@@ -5,6 +5,7 @@ free local port with one CPU thread and calls ``fn(rank, *args)``; whatever rank
 comes back to the caller. ``SMP_BENCH_PIN=1`` in the environment pins process ``rank`` and every
 thread it starts to CPU ``rank`` (modulo the CPUs), as ``taskset`` would: the benchmarks'
 ``--pin``. ``timed(step, batches, warmup)`` times a training loop on every rank.
+``smp_training(module, loss_fn, lr)`` is the usual smp training step of a model taking ``(x, y)``.
 """
 
 from __future__ import annotations
@@ -59,3 +60,26 @@ def timed(step: Callable, batches: list, warmup: int) -> float:
         step(*batch)
     dist.barrier()
     return time.perf_counter() - start
+
+
+def smp_training(module: torch.nn.Module, loss_fn: Callable, lr: float):
+    """``(model, step)``: ``module`` wrapped in ``smp.DistributedModel`` with AdamW at ``lr``, and
+    ``step(x, y)``, which zeroes the gradients, runs an ``smp.step`` of ``loss_fn(model(x), y)``
+    with ``model.backward`` and steps the optimizer (smp must be initialised)."""
+    import smp
+
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=lr))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = loss_fn(model(x), y)
+        model.backward(loss)
+        return loss
+
+    def step(x, y):
+        opt.zero_grad()
+        train_step(model, x, y)
+        opt.step()
+
+    return model, step

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "gpt"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _launch import run_ranks  # noqa: E402
+from _launch import run_ranks, smp_training  # noqa: E402
 
 BATCH, SEQ, MICROBATCHES = 32, 64, 8
 
@@ -163,23 +163,13 @@ def _train(steps: int, warmup: int) -> tuple[float, str, float]:
     import smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES})
-    model = smp.DistributedModel(_gpt())
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = lm_loss(model(x), y)
-        model.backward(loss)
-        return loss
-
+    model, step = smp_training(_gpt(), lm_loss, 1e-3)
     data = _data(steps + warmup)
     for i, (x, y) in enumerate(data):
         if i == warmup:
             dist.barrier()
             cost, start = _Cost(), time.perf_counter()
-        opt.zero_grad()
-        train_step(model, x, y)
-        opt.step()
+        step(x, y)
     dist.barrier()
     samples_per_s = steps * BATCH / (time.perf_counter() - start)
     cpu_s = cost.per(steps)["cpu_us"] / 1e6
@@ -320,10 +310,10 @@ def main() -> None:
             "pp=2 / one process with 8 microbatches, median "
             f"{statistics.median(b / a for a, b in zip(accumulated, pp2)):.3f}"
         )
-        work = [BATCH / a for a in accumulated]  # the microbatched step's CPU in one process
-        print(f"CPU s per step: one process, 8 microbatches  {row(work, '6.3f')}")
+        work = [BATCH / a for a in accumulated]  # one thread: about its CPU time
+        print(f"one process, 8 microbatches, wall s/step  {row(work, '6.3f')}")
         for rank, per_round in enumerate(result["pp2_cpu_s_per_step"]):
-            print(f"                smp pp=2, stage {rank}            {row(per_round, '6.3f')}")
+            print(f"smp pp=2, stage {rank}, CPU s/step            {row(per_round, '6.3f')}")
     _print_round_trips(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
