@@ -13,6 +13,9 @@ smp's static ZB-H1, torch; each round also times every stage's forward + backwar
 Also reported, per microbatch: the bytes that cross between the stages in smp's step (both
 directions, the transport's tensors) and in torch's (the activations and their gradients); and
 per step, the CPU time each stage's process spent (every thread), and of it gloo's threads.
+``--breakdown`` splits that CPU further, for both libraries: autograd's engine (every backward
+pass, timed on the thread that runs it), the decoder layers' forwards (hooks on each layer), and
+the rest (embedding, rotary embedding, mask, norm, head and loss, the optimizer, the runtime).
 
     .venv/bin/python benchmarks/pipeline_hf_llama.py [--steps 4] [--rounds 3] [--json out.json]
 
@@ -28,6 +31,7 @@ import os
 import resource
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +66,7 @@ LABELS = {
 
 
 def _llama():
+    """The model; with --breakdown its decoder layers' forwards are timed (``_Breakdown``)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -70,7 +75,10 @@ def _llama():
         tie_word_embeddings=False, **CONFIG_OVERRIDES,
     )  # fmt: skip
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    llama = transformers.LlamaForCausalLM(config)
+    if _BREAKDOWN is not None:
+        _BREAKDOWN.hook_layers(llama)
+    return llama
 
 
 def _data(steps: int):
@@ -152,12 +160,70 @@ def _cpu_seconds() -> tuple[float, float]:
     return usage.ru_utime + usage.ru_stime, gloo
 
 
-def _timed_with_cpu(step, data, warmup: int) -> tuple[float, tuple[float, float]]:
-    """``timed``'s seconds, and (CPU seconds per step of this process, of its gloo threads)
-    over the whole call (the warm-up steps included: the same for every variant)."""
-    before = _cpu_seconds()
+class _Breakdown:
+    """--breakdown: the CPU seconds this process spends in autograd's engine and in the decoder
+    layers' forwards, each timed on the thread that runs it (``time.thread_time``). With one
+    thread per process the CPU engine runs a backward on the calling thread, so that thread's
+    time is the backward's. The engine is wrapped where torch and smp call it; the layers get a
+    forward pre-hook and hook each (smp's served calls run them, and so the hooks, on the
+    owning stage's workers)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.engine = self.layers = 0.0
+        self.started = threading.local()
+        self.installed = False
+
+    def totals(self) -> tuple[float, float]:
+        with self.lock:
+            return self.engine, self.layers
+
+    def _add(self, field: str, seconds: float) -> None:
+        with self.lock:
+            setattr(self, field, getattr(self, field) + seconds)
+
+    def install_engine(self) -> None:
+        import torch.autograd.graph
+
+        from smp.pipeline import segments
+
+        if self.installed:
+            return
+        self.installed = True
+        engine = torch.autograd.graph._engine_run_backward
+
+        def timed_engine(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return engine(*args, **kwargs)
+            finally:
+                self._add("engine", time.thread_time() - start)
+
+        for module in (torch.autograd.graph, torch.autograd, segments):
+            module._engine_run_backward = timed_engine
+
+    def hook_layers(self, llama) -> None:
+        def before(module, args, kwargs):
+            self.started.value = time.thread_time()
+
+        def after(module, args, kwargs, output):
+            self._add("layers", time.thread_time() - self.started.value)
+
+        for layer in llama.model.layers:
+            layer.register_forward_pre_hook(before, with_kwargs=True)
+            layer.register_forward_hook(after, with_kwargs=True)
+
+
+_BREAKDOWN: _Breakdown | None = None  # --breakdown
+
+
+def _timed_with_cpu(step, data, warmup: int) -> tuple[float, tuple[float, ...]]:
+    """``timed``'s seconds, and (CPU seconds per step of this process, of its gloo threads, and
+    with --breakdown of autograd's engine and of the layers' forwards) over the whole call (the
+    warm-up steps included: the same for every variant)."""
+    before = _cpu_seconds() + (_BREAKDOWN.totals() if _BREAKDOWN else ())
     seconds = timed(step, data, warmup)
-    after = _cpu_seconds()
+    after = _cpu_seconds() + (_BREAKDOWN.totals() if _BREAKDOWN else ())
     return seconds, tuple((a - b) / len(data) for a, b in zip(after, before))
 
 
@@ -197,8 +263,12 @@ def _worker(rank: int, steps: int, rounds: int, overrides: dict) -> dict:
     import smp
     from smp.state import get_state
 
+    global _BREAKDOWN
     if overrides.pop("overhead", False):
         _shrink()
+    if overrides.pop("breakdown", False):
+        _BREAKDOWN = _Breakdown()
+        _BREAKDOWN.install_engine()
     if overrides.pop("resend", False):  # --resend: every request carries all its tensors
         from smp.pipeline.runtime import PipelineRuntime
 
@@ -300,6 +370,28 @@ def _stage_alone(module: nn.Module, rank: int, ids: torch.Tensor, pieces: int = 
     return statistics.median(times)
 
 
+def _print_breakdown(cpu: list[dict]) -> None:
+    """--breakdown's table: each stage's CPU per step (medians of the rounds) split into
+    autograd's engine, the layers' forwards, gloo's threads and the rest, and smp's excess."""
+    median = statistics.median
+    names = ("torch", *VARIANTS)
+    print("CPU seconds per step by part, medians of the rounds (rest: everything else, gloo's "
+          "threads not included)")  # fmt: skip
+    print(f"{'':12s}{'':36s}{'all':>8s}{'engine':>8s}{'layers':>8s}{'gloo':>8s}{'rest':>8s}")
+    for stage, per_variant in enumerate(cpu):
+        parts = {}
+        for name in names:
+            rows = per_variant[name]
+            total, gloo, engine, layers = (median(c[i] for c in rows) for i in range(4))
+            parts[name] = (total, engine, layers, gloo, total - engine - layers - gloo)
+        for name in names:
+            cells = "".join(f"{x:8.3f}" for x in parts[name])
+            print(f"  stage {stage}   {LABELS[name]:36s}{cells}")
+        for name in VARIANTS:
+            excess = "".join(f"{a - b:+8.3f}" for a, b in zip(parts[name], parts["torch"]))
+            print(f"  stage {stage}   {LABELS[name] + ' - torch':36s}{excess}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
@@ -329,6 +421,12 @@ def main() -> None:
         "the runtimes' own cost per step",
     )
     parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="split each stage's CPU per step into autograd's engine, the decoder layers' "
+        "forwards and the rest, for both libraries",
+    )
+    parser.add_argument(
         "--pin",
         action="store_true",
         help="pin each process, and every thread it starts, to a CPU of its own (as taskset "
@@ -345,6 +443,8 @@ def main() -> None:
         overrides["resend"] = True
     if args.no_batch:
         overrides["no_batch"] = True
+    if args.breakdown:
+        overrides["breakdown"] = True
     r = run_ranks(_worker, P, args.steps, args.rounds, overrides)
     samples = args.steps * BATCH
     rounds = r["rounds_seconds"]
@@ -387,6 +487,8 @@ def main() -> None:
         total = sum(cpu for cpu, _ in per_stage)
         gloo = sum(g for _, g in per_stage)
         print(f"{LABELS[name]:36s}{parts} = {total:.3f} ({gloo:.3f})")
+    if args.breakdown:
+        _print_breakdown(r["cpu_seconds_per_step"])
     if args.json:
         r.update(ideal=ideal, of_ideal=of_ideal, x_torch=x_torch)
         args.json.write_text(json.dumps(r, indent=2))
