@@ -348,6 +348,10 @@ class Transport:
 
 class RemoteStageError(RuntimeError): ...
 
+def next_sequence_nr() -> int: ...
+def sole_gradient(grads: tuple[torch.Tensor | None, ...], index: int) -> bool:
+    """Whether nothing but ``grads`` holds ``grads[index]`` (segments.accumulate takes it)."""
+
 class ThreadState:
     """torch's thread-local state of the calling thread (at::ThreadLocalState)."""
 

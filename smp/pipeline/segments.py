@@ -340,18 +340,31 @@ def _weight_groups(
     return groups
 
 
-def accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Adds each gradient into its parameter's ``.grad``, as autograd's accumulator would, and
-    then runs the parameter's post-accumulate-grad hooks as it would: those a user registered,
-    and the overlapped gradient reduction's (smp/reduction.py), see every accumulation of a
-    pipelined stage as they would without the pipeline."""
-    for param, grad in zip(params, grads):
-        if grad is None:
+def accumulate(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], first: int = 0
+) -> None:
+    """Adds each gradient (``grads[first + i]`` is ``params[i]``'s) into its parameter's
+    ``.grad``, as autograd's accumulator would, and then runs the parameter's
+    post-accumulate-grad hooks as it would: those a user registered, and the overlapped gradient
+    reduction's (smp/reduction.py), see every accumulation of a pipelined stage as they would
+    without the pipeline.
+
+    A parameter's first gradient becomes its ``.grad`` as it is when ``grads`` is the tuple the
+    engine returned and nothing else holds that gradient (``smp._C.sole_gradient``: no other
+    reference, view or owner), as autograd's accumulator takes it; otherwise it is copied, since
+    a later accumulation adds into ``.grad`` in place. The test runs on the tuple's item before
+    anything here refers to it."""
+    owned = isinstance(grads, tuple)
+    for i, param in enumerate(params, first):
+        if grads[i] is None:
             continue
         if param.grad is None:
-            param.grad = grad.detach().clone(memory_format=torch.contiguous_format)
+            if owned and _C.sole_gradient(grads, i):
+                param.grad = grads[i]
+            else:
+                param.grad = grads[i].detach().clone(memory_format=torch.contiguous_format)
         else:
-            param.grad.add_(grad)
+            param.grad.add_(grads[i])
         hooks = getattr(param, "_post_accumulate_grad_hooks", None)  # torch's own registry
         if hooks:
             for hook in list(hooks.values()):
@@ -428,7 +441,7 @@ def run_segment(
         for handle in handles:
             handle.remove()
     n_stops, n_leaves = len(stops), len(leaves)
-    accumulate(params, results[n_stops + n_leaves :])
+    accumulate(params, results, n_stops + n_leaves)
     edge_grads = {_key(e): (e, g) for e, g in zip(stops, results[:n_stops]) if g is not None}
     leaf_grads = {
         id(t): g for t, g in zip(leaves, results[n_stops : n_stops + n_leaves]) if g is not None

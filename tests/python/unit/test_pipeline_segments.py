@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from smp.pipeline.segments import Uses, edge_of, mark, run_segment
+from smp import _C
+from smp.pipeline.segments import Uses, accumulate, edge_of, mark, run_segment
 
 
 def _boundary(t: torch.Tensor) -> torch.Tensor:
@@ -123,6 +124,83 @@ def test_mark_is_the_next_nodes_sequence_number_and_moves_only_with_nodes():
     thread.start()
     thread.join()
     assert mark() == before + 1 and other[0][1]._sequence_nr() == other[0][0]
+
+
+def test_sole_gradient_is_true_only_for_a_tensor_nothing_else_holds():
+    def alone(make):
+        return _C.sole_gradient((make(),), 0)
+
+    assert alone(lambda: torch.ones(3))
+    held = torch.ones(3)
+    assert not _C.sole_gradient((held,), 0)  # a Python reference besides the tuple's
+    twice = torch.ones(3)
+    pair = (twice, twice)
+    del twice
+    assert not _C.sole_gradient(pair, 0) and not _C.sole_gradient(pair, 1)  # one tensor, twice
+    base = torch.ones(4, 4)
+    assert not alone(lambda: base[1])  # a view of a base held elsewhere
+    assert not alone(lambda: base.detach())  # another tensor over base's storage
+    pair = (base[0], base[1])  # two views of one base (each holds it)
+    assert not _C.sole_gradient(pair, 0)
+    assert not alone(lambda: torch.empty_strided((4, 4), (1, 4)))  # not contiguous
+    assert not alone(lambda: torch.ones(3, requires_grad=True))
+    assert not alone(lambda: torch.ones(3).to_sparse())
+    assert not _C.sole_gradient((None,), 0)
+    with pytest.raises(ValueError, match="index 1 of a tuple of 1"):
+        _C.sole_gradient((torch.ones(1),), 1)
+
+
+def test_accumulate_takes_an_unshared_first_gradient_and_copies_any_other():
+    """The first gradient of a parameter becomes its ``.grad`` without a copy when nothing else
+    holds it, as autograd's accumulator does; a gradient that is shared (held elsewhere, or the
+    same tensor for two parameters) is copied, so adding into one ``.grad`` later changes no
+    other tensor."""
+    p, q, r = (torch.zeros(3, requires_grad=True) for _ in range(3))
+    fresh = torch.ones(3)
+    address = fresh.data_ptr()
+    grads = (None, fresh)
+    del fresh
+    accumulate([p], grads, 1)
+    assert p.grad.data_ptr() == address  # taken as it is
+    accumulate([p], (torch.full((3,), 2.0),))
+    torch.testing.assert_close(p.grad, torch.full((3,), 3.0))
+
+    shared = torch.ones(3)
+    accumulate([q, r], (shared, shared))  # autograd may return one tensor for two inputs
+    s = torch.zeros(3, requires_grad=True)
+    kept = torch.ones(3)
+    accumulate([s], (kept,))  # the caller still holds it
+    accumulate([s], (torch.ones(3),))
+    torch.testing.assert_close(s.grad, torch.full((3,), 2.0))
+    accumulate([q, r], [torch.ones(3), torch.ones(3)])  # not the engine's tuple: copied
+    for grad in (q.grad, r.grad):
+        assert grad.data_ptr() != shared.data_ptr()
+        torch.testing.assert_close(grad, torch.full((3,), 2.0))
+    torch.testing.assert_close(shared, torch.ones(3))
+    torch.testing.assert_close(kept, torch.ones(3))
+
+
+def test_accumulate_from_the_engine_matches_autograd_and_shares_nothing():
+    """Through run_segment: the engine's gradients become the parameters' ``.grad`` (no copy,
+    as autograd's accumulator takes them), and the results over two backward passes equal
+    autograd's own accumulation."""
+    torch.manual_seed(3)
+    lin = nn.Linear(4, 4)
+    xs = [torch.randn(2, 4) for _ in range(2)]
+    for x in xs:
+        (lin(x) * lin.bias).sum().backward()  # the bias used twice: two gradient paths
+    expected = [lin.weight.grad.clone(), lin.bias.grad.clone()]
+    lin.zero_grad(set_to_none=True)
+    for x in xs:
+        start = mark()
+        out = (lin(x) * lin.bias).sum()
+        run_segment([out], [torch.ones(())], start)
+    torch.testing.assert_close(lin.weight.grad, expected[0])
+    torch.testing.assert_close(lin.bias.grad, expected[1])
+    # The weight's gradient is the engine's own tensor (the transpose of a product, a view over
+    # memory nothing else holds), not a copy, which would not be a view.
+    assert lin.weight.grad._is_view()
+    assert lin.weight.grad.data_ptr() != lin.bias.grad.data_ptr()
 
 
 def test_unused_and_integer_outputs_are_skipped():
