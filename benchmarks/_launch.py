@@ -5,7 +5,7 @@ free local port with one CPU thread and calls ``fn(rank, *args)``; whatever rank
 comes back to the caller. ``SMP_BENCH_PIN=1`` in the environment pins process ``rank`` and every
 thread it starts to CPU ``rank`` (modulo the CPUs), as ``taskset`` would: the benchmarks'
 ``--pin``. ``timed(step, batches, warmup)`` times a training loop on every rank.
-``smp_training(module, loss_fn, lr)`` is the usual smp training step of a model taking ``(x, y)``.
+``smp_training(module, loss, lr)`` is the usual smp training step, ``loss(model, *batch)`` its loss.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def timed(step: Callable, batches: list, warmup: int) -> float:
     return time.perf_counter() - start
 
 
-def smp_training(module: torch.nn.Module, loss_fn: Callable, lr: float):
+def smp_training(module: torch.nn.Module, loss: Callable, lr: float):
     """``(model, step)``: ``module`` wrapped in ``smp.DistributedModel`` with AdamW at ``lr``, and
-    ``step(x, y)``, which zeroes the gradients, runs an ``smp.step`` of ``loss_fn(model(x), y)``
+    ``step(*batch)``, which zeroes the gradients, runs an ``smp.step`` of ``loss(model, *batch)``
     with ``model.backward`` and steps the optimizer (smp must be initialised)."""
     import smp
 
@@ -72,14 +72,19 @@ def smp_training(module: torch.nn.Module, loss_fn: Callable, lr: float):
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=lr))
 
     @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn(model(x), y)
-        model.backward(loss)
-        return loss
+    def train_step(model, *batch):
+        value = loss(model, *batch)
+        model.backward(value)
+        return value
 
-    def step(x, y):
+    def step(*batch):
         opt.zero_grad()
-        train_step(model, x, y)
+        train_step(model, *batch)
         opt.step()
 
     return model, step
+
+
+def output_loss(loss_fn: Callable) -> Callable:
+    """``smp_training``'s ``loss`` for a model taking ``x`` and a loss of its output and ``y``."""
+    return lambda model, x, y: loss_fn(model(x), y)

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "gpt"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _launch import run_ranks, smp_training, timed  # noqa: E402
+from _launch import output_loss, run_ranks, smp_training, timed  # noqa: E402
 
 
 def _model(seed: int):
@@ -142,7 +142,7 @@ def _pp_worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> di
     warmup = 3
     smp.init({"microbatches": 4, "pipeline_parallel_degree": 2, "ddp": True})
     batches = _batches(steps + warmup, batch, smp.dp_rank())
-    model, smp_step = smp_training(_model(0), lm_loss, 1e-3)
+    model, smp_step = smp_training(_model(0), output_loss(lm_loss), 1e-3)
     smp_step(*batches[0])  # partitions; makes the stage's plan
     plan = model._reduction
 

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "gpt"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _launch import run_ranks, smp_training  # noqa: E402
+from _launch import output_loss, run_ranks, smp_training  # noqa: E402
 
 BATCH, SEQ, MICROBATCHES = 32, 64, 8
 
@@ -163,7 +163,7 @@ def _train(steps: int, warmup: int) -> tuple[float, str, float]:
     import smp
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES})
-    model, step = smp_training(_gpt(), lm_loss, 1e-3)
+    model, step = smp_training(_gpt(), output_loss(lm_loss), 1e-3)
     data = _data(steps + warmup)
     for i, (x, y) in enumerate(data):
         if i == warmup:

@@ -43,7 +43,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _launch import run_ranks, timed  # noqa: E402
+from _launch import run_ranks, smp_training, timed  # noqa: E402
 
 MICRO, SEQ, M, P = 2, 128, 8, 2
 BATCH = MICRO * M
@@ -284,21 +284,9 @@ def _worker(rank: int, steps: int, rounds: int, overrides: dict) -> dict:
 
     def smp_runner(options: dict):
         smp.init({"pipeline_parallel_degree": P, "microbatches": M, **options})
-        model = smp.DistributedModel(_llama())
-        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-        @smp.step
-        def train_step(model, ids):
-            loss = model(input_ids=ids, labels=ids).loss
-            model.backward(loss)
-            return loss
-
-        def smp_step(ids):
-            opt.zero_grad()
-            train_step(model, ids)
-            opt.step()
-
-        return smp_step
+        return smp_training(
+            _llama(), lambda model, ids: model(input_ids=ids, labels=ids).loss, 1e-4
+        )[1]
 
     llama = _llama()
     bounds = [(0, cut), (cut, 8)]

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "gpt"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _launch import run_ranks, smp_training, timed  # noqa: E402
+from _launch import output_loss, run_ranks, smp_training, timed  # noqa: E402
 
 MICRO, SEQ, M = 4, 128, 8
 # smp's variants, in the order each round runs them (config options; row labels below, with
@@ -153,7 +153,7 @@ def _worker(rank: int, p: int, steps: int, rounds: int, trace: str | None) -> di
 
     def smp_runner(options: dict):
         smp.init({"pipeline_parallel_degree": p, "microbatches": M, **options})
-        return smp_training(_gpt(), lm_loss, 1e-4)[1]
+        return smp_training(_gpt(), output_loss(lm_loss), 1e-4)[1]
 
     gpt = _gpt()
     stage_module = _Stage(gpt, cuts[rank], cuts[rank + 1], rank == 0, rank == p - 1)

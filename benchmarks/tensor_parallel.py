@@ -33,7 +33,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _launch import run_ranks, timed  # noqa: E402
+from _launch import run_ranks, smp_training, timed  # noqa: E402
 
 SIZES = dict(layers=4, heads=8, hidden=512, intermediate=2048, vocab=8192, seq=128)
 
@@ -140,22 +140,9 @@ def _smp_model(optimize: str, group=None):
 
 
 def _smp_step(optimize: str):
-    import smp
-
-    model = smp.DistributedModel(_smp_model(optimize))
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-    @smp.step
-    def train_step(model, ids, labels):
-        loss = model(ids, labels=labels).mean()
-        model.backward(loss)
-        return loss
-
-    def step(ids, labels):
-        opt.zero_grad()
-        train_step(model, ids, labels)
-        opt.step()
-
+    model, step = smp_training(
+        _smp_model(optimize), lambda model, ids, labels: model(ids, labels=labels).mean(), 1e-4
+    )
     return step, sum(p.numel() for p in model.parameters())
 
 
