@@ -172,7 +172,6 @@ class _Breakdown:
         self.lock = threading.Lock()
         self.engine = self.layers = 0.0
         self.started = threading.local()
-        self.installed = False
 
     def totals(self) -> tuple[float, float]:
         with self.lock:
@@ -187,9 +186,6 @@ class _Breakdown:
 
         from smp.pipeline import segments
 
-        if self.installed:
-            return
-        self.installed = True
         engine = torch.autograd.graph._engine_run_backward
 
         def timed_engine(*args, **kwargs):

@@ -75,8 +75,8 @@ void init_thread_state_bindings(py::module_& m) {
       py::arg("grads"), py::arg("index"),
       R"doc(Whether ``grads[index]`` is a plain, contiguous tensor that nothing but the tuple
 holds: no other Python reference to it, no other C++ owner of it or of its storage (a view's
-base held by the view alone), and no gradient of its own. autograd's accumulator takes such a gradient as
-the parameter's ``.grad`` without copying it; smp's does too (segments.accumulate).)doc");
+base held by the view alone), and no gradient of its own. autograd's accumulator takes such a
+gradient as the parameter's ``.grad`` without copying it; smp's does too (segments.accumulate).)doc");
 
   py::class_<at::ThreadLocalState, std::shared_ptr<at::ThreadLocalState>>(
       m, "ThreadState",
