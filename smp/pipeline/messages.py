@@ -31,11 +31,17 @@ Wire form of a skeleton (a uint8 tensor): 4 bytes little-endian slot count n, n 
 
 from __future__ import annotations
 
+import array
+import collections
+import collections.abc
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import pickle
 import struct
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -60,6 +66,7 @@ __all__ = [
     "digest",
     "fingerprint",
     "assign",
+    "WriteBackError",
 ]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -368,28 +375,43 @@ class _IdentityPickler(pickle.Pickler):
         return NotImplemented
 
 
-def assign(target: Any, source: Any) -> None:
+class WriteBackError(TypeError):
+    """A module on another stage changed an argument in a way that smp cannot write back into
+    the caller's object (or tensor), so the caller would go on with a value one process would
+    not have: the step fails on every rank instead (design.md §4i)."""
+
+
+def assign(target: Any, source: Any, what: str = "an argument") -> None:
     """Makes ``target`` hold what ``source`` holds, in place: the caller's argument takes the
     state that the module's forward left in the owner's copy of it (a cache that the module
-    appended to). Lists, dicts and sets take the items; objects their attributes (``__dict__``
-    and ``__slots__``); tuples, immutable themselves, pass the assignment on to their items."""
+    appended to). Mutable sequences (list, deque, bytearray, ``array.array``, numpy arrays of
+    the same shape), mappings (dict and its subclasses, with a defaultdict's factory) and sets
+    take the items; objects their attributes (``__dict__`` and ``__slots__``); tuples, immutable
+    themselves, pass the assignment on to their items. The result is then compared with
+    ``source`` by content (:func:`fingerprint`), so state that none of these reach (a C type's
+    own, a custom ``__reduce__``'s) is refused, not dropped.
+
+    Raises:
+        WriteBackError: ``target`` cannot be given ``source``'s state in place (named with
+            ``what``, e.g. "argument 1 of module 'blocks.0'").
+    """
     if target is source:
         return
     if type(target) is not type(source):
-        raise TypeError(
-            f"smp: a module changed an argument of type {type(target).__name__} into "
-            f"{type(source).__name__} in place; that cannot be carried back across stages"
+        raise WriteBackError(
+            f"smp: a module changed {what} of type {type(target).__name__} into "
+            f"{type(source).__name__} in place on another pipeline stage; that cannot be "
+            "carried back into the caller's object. Return the new value from the module instead"
         )
     if isinstance(target, tuple):
-        for t, s in zip(target, source):
+        for i, (t, s) in enumerate(zip(target, source)):
             if not isinstance(t, (torch.Tensor, *_PLAIN)):
-                assign(t, s)
+                assign(t, s, f"item {i} of {what}")
         return
-    if isinstance(target, list):
-        target[:] = source
-    elif isinstance(target, (dict, set)):
-        target.clear()
-        target.update(source)
+    before = None if _assigned_whole(type(target)) else fingerprint(source)
+    # An array of another typecode raises: the check below names it.
+    with contextlib.suppress(TypeError, ValueError):
+        _assign_items(target, source)
     state = getattr(source, "__dict__", None)
     if state is not None:
         target.__dict__.clear()
@@ -400,3 +422,80 @@ def assign(target: Any, source: Any) -> None:
                 continue
             if hasattr(source, name):
                 object.__setattr__(target, name, getattr(source, name))
+    # By content, not by type: whatever the rules above missed shows as a difference.
+    if before is not None and fingerprint(target) != before:
+        raise WriteBackError(
+            f"smp: {what} (a {type(target).__qualname__}) was changed in place by a module on "
+            "another pipeline stage, and smp cannot write that change back into the caller's "
+            "object (its state is not items, attributes or slots that can be assigned). Pass "
+            "a list, dict, set, deque, bytearray or an object whose attributes hold the state, "
+            "or return the new value from the module"
+        )
+
+
+# Built-in types whose whole state _assign_items writes (a deque's maxlen cannot differ).
+_ITEMS = (
+    list, dict, set, bytearray, collections.deque, collections.OrderedDict,
+    collections.defaultdict, collections.Counter,
+)  # fmt: skip
+
+
+@functools.cache
+def _assigned_whole(cls: type) -> bool:
+    """Whether :func:`assign` writes every part of a ``cls`` object's state, so the check by
+    content can be skipped (it costs two fingerprints, ~100 us for a Hugging Face cache of 8
+    layers): one of :data:`_ITEMS`, or a class of Python code over those or ``object`` that
+    pickles by default (its state is its ``__dict__`` and slots). A class of C code, or one with
+    its own ``__reduce__`` / ``__reduce_ex__`` / ``__getstate__``, is checked."""
+    if cls in _ITEMS:
+        return True
+    for base in cls.__mro__:
+        if base is object or base in _ITEMS:
+            continue
+        if not base.__flags__ & _HEAP_TYPE:  # a C type keeps state of its own
+            return False
+        if any(name in vars(base) for name in ("__reduce__", "__reduce_ex__", "__getstate__")):
+            return False
+    return True
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class created by a class statement
+
+
+def _assign_items(target: Any, source: Any) -> None:
+    """The items part of :func:`assign`, for the container types that hold items. A subclass's
+    own methods are passed by where they may refuse (a ``ModelOutput``'s ``update`` raises) or
+    do more than store (the source already holds their result)."""
+    sequence = next((t for t in (list, bytearray, array.array) if isinstance(target, t)), None)
+    if sequence is not None:
+        sequence.__setitem__(target, slice(None), source)
+    elif isinstance(target, collections.deque):
+        collections.deque.clear(target)  # maxlen cannot change in place, nor differ here
+        collections.deque.extend(target, source)
+    elif isinstance(target, dict):
+        base = collections.OrderedDict if isinstance(target, collections.OrderedDict) else dict
+        base.clear(target)
+        for key, value in base.items(source):
+            base.__setitem__(target, key, value)
+        if isinstance(target, collections.defaultdict):
+            target.default_factory = source.default_factory
+    elif isinstance(target, collections.abc.MutableMapping):
+        target.clear()
+        target.update(source)
+    elif isinstance(target, set):
+        set.clear(target)
+        set.update(target, source)
+    elif isinstance(target, collections.abc.MutableSet):
+        target.clear()
+        target |= source
+    elif isinstance(target, collections.abc.MutableSequence):
+        target.clear()
+        target.extend(source)
+    elif _is_array(target) and target.shape == source.shape and target.dtype == source.dtype:
+        target[...] = source
+
+
+def _is_array(value: Any) -> bool:
+    """A numpy array (numpy is not imported for it: only a value of its type can be one)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.ndarray)

@@ -347,18 +347,68 @@ def _resolve_results(value):
 
 
 def _call_and_note_changes(module: nn.Module, args: tuple, kwargs: dict, values: list, worker):
-    """Runs a served call. Returns (outputs, changed): the arguments whose state the forward
-    changed (a cache it appended to), as ``[(position or keyword, value)]``, for the caller to
-    take over. Notes on ``worker`` which tensors came with the request, so that a tensor handed
-    back unchanged travels as a reference to the caller's own (``messages.Sent``)."""
+    """Runs a served call. Returns (outputs, changed, written): the arguments whose state the
+    forward changed (a cache it appended to), as ``[(position or keyword, value)]``, and the
+    request tensors whose data it changed in place (their version counter moved), as
+    ``[(request slot, new data)]``, for the caller to take over (design.md §4i). Notes on
+    ``worker`` which tensors came with the request, so that a tensor handed back unchanged
+    travels as a reference to the caller's own (``messages.Sent``)."""
     watched = [*enumerate(args), *kwargs.items()]
     before = [(where, v, messages.fingerprint(v)) for where, v in watched]
+    versions = [v._version if isinstance(v, torch.Tensor) else None for v in values]
     output = activations.call(
         module, args, kwargs, (worker.mode.checkpoint, worker.mode.preserve_rng)
     )
     changed = [(w, v) for w, v, fp in before if fp is not None and messages.fingerprint(v) != fp]
+    written = [
+        (slot, value)
+        for slot, (value, version) in enumerate(zip(values, versions))
+        if version is not None and value._version != version
+    ]
     worker.sent_ids = {id(v): i for i, v in enumerate(values) if isinstance(v, torch.Tensor)}
-    return output, changed
+    return output, changed, [(slot, _written_back(worker, slot, t)) for slot, t in written]
+
+
+def _written_back(worker, slot: int, tensor: torch.Tensor) -> torch.Tensor:
+    """The new data of request tensor ``slot``, which the served forward changed in place, to
+    go back to the caller (a copy: the tensor itself would travel as the caller's own, Sent).
+
+    Raises:
+        messages.WriteBackError: the change cannot be carried back exactly: autograd recorded it
+            (the caller's tensor would need this stage's graph), or the tensor was fetched from
+            a third stage (whose copy would stay as it was).
+    """
+    what = (
+        f"argument tensor {slot} (shape {tuple(tensor.shape)}) of module "
+        f"'{worker.module_path}' (microbatch {worker.microbatch})"
+    )
+    if tensor.grad_fn is not None:
+        raise messages.WriteBackError(
+            f"smp: the forward changed {what} in place with autograd recording it; the caller, "
+            "on another pipeline stage, cannot take that change with its gradient. Change a "
+            "copy (x = x.clone() first) and return it, or make the change under torch.no_grad()"
+        )
+    if any(fetch.index == slot for fetch in worker.peer_inputs):
+        raise messages.WriteBackError(
+            f"smp: the forward changed {what} in place, an output of a third pipeline stage "
+            "passed on by reference, which that stage would not see. Change a copy "
+            "(x = x.clone() first) and return it"
+        )
+    new = tensor.detach().clone()
+    for index, producer, out_slot in worker.ref_inputs:
+        if index != slot:
+            continue
+        # An output of a call this stage served, passed by reference: in one process it is that
+        # output which changed, so later references and FETCHes take the new data. The output
+        # is replaced, not written to: a REPLY may still be sending it (Sender's rule).
+        if producer.out_tensors[out_slot].requires_grad:
+            raise messages.WriteBackError(
+                f"smp: the forward changed {what} in place, an output of module "
+                f"'{producer.module_path}' that takes part in backward; the change cannot "
+                "reach that output's other users. Change a copy (x = x.clone() first)"
+            )
+        producer.out_tensors[out_slot] = new
+    return new
 
 
 class _Baton:
@@ -968,7 +1018,8 @@ class PipelineRuntime:
         real = [t for t in tensors if not isinstance(t, messages.Ref)]
         if self.send_once:
             for i, t in enumerate(tensors):
-                if not isinstance(t, messages.Ref):
+                # (An inference tensor keeps no version counter: it is sent every time.)
+                if not isinstance(t, messages.Ref) and not t.is_inference():
                     held[id(t)] = (weakref.ref(t), t._version, call_id, i)
         mode = CallMode.current()
         grad = mode.grad
@@ -1028,10 +1079,32 @@ class PipelineRuntime:
             call.flags = predicted.flags
             futures = [_Future(call, i) for i in range(len(predicted.flags))]
             reply = messages.fill(predicted, futures, self.modules, originals)
-        result, changed = reply
+        result, changed, written = reply
         for where, value in changed:  # arguments the module changed, as the owner left them
-            messages.assign(args[where] if isinstance(where, int) else kwargs[where], value)
+            what = f"argument {where!r} of module '{path}' (pipeline stage {owner})"
+            messages.assign(args[where] if isinstance(where, int) else kwargs[where], value, what)
+        for slot, value in written:  # argument tensors it changed in place
+            self._write_back(owner, path, originals[slot], value)
         return result
+
+    @staticmethod
+    def _write_back(owner: int, path: str, original: torch.Tensor, value: torch.Tensor) -> None:
+        """Gives the caller's tensor ``original`` the data that the module on stage ``owner``
+        left in its copy of it, as one process would have changed it (design.md §4i)."""
+        if isinstance(original, _Future):
+            # Its value here, as the REPLY that brought it or a FETCH of the owner's (replaced)
+            # output has it: a REPLY sent before the change carries the old data.
+            original = original._smp_value()
+        value = _resolve(value)
+        if original.shape != value.shape or original.dtype != value.dtype:
+            raise messages.WriteBackError(
+                f"smp: module '{path}' (pipeline stage {owner}) changed an argument tensor in "
+                f"place from {tuple(original.shape)} {original.dtype} to {tuple(value.shape)} "
+                f"{value.dtype}; that cannot be written back into the caller's tensor. Return "
+                "the new tensor from the module instead"
+            )
+        with torch.no_grad():
+            original.copy_(value)
 
     def _await_values(self, call: _Call) -> None:
         """In ``call``'s worker: suspends until its outputs are here, fetching them from the
@@ -1646,8 +1719,10 @@ class PipelineRuntime:
         def target():
             for i, producer, out_slot in worker.ref_inputs:
                 # A copy: the consumer may modify its input in place; the producer's graph
-                # may have saved it.
-                value = producer.out_tensors[out_slot].detach().clone()
+                # may have saved it. Not an inference tensor: those keep no version counter,
+                # which is how a change in place is seen (_call_and_note_changes).
+                with torch.inference_mode(False):
+                    value = producer.out_tensors[out_slot].detach().clone()
                 if worker.grad and value.dtype.is_floating_point and producer.grad:
                     value.requires_grad_(producer.out_tensors[out_slot].requires_grad)
                 if value.requires_grad:
