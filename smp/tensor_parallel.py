@@ -29,12 +29,14 @@ import dataclasses
 import inspect
 import logging
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from smp import delayed
@@ -142,16 +144,105 @@ def tp_register(
 def _find_registration(module: nn.Module) -> _Registration | None:
     """The registration of the module's class or of the nearest registered base class, unless a
     class in between defines its own ``forward``: the distributed version would replace that
-    forward (e.g. OPT's learned positions, an ``nn.Embedding`` that offsets its ids)."""
+    forward (e.g. OPT's learned positions, an ``nn.Embedding`` that offsets its ids). An
+    ``nn.Linear`` whose own forward computes ``nn.Linear``'s function (Falcon's
+    ``FalconLinear``: ``input @ weight.T + bias``; see :func:`computes_linear`) is an
+    ``nn.Linear``."""
+    return _lookup(module)[0]
+
+
+def _lookup(module: nn.Module) -> tuple[_Registration | None, str | None]:
+    """(:func:`_find_registration`'s answer, why a registered base class was refused: the class
+    in between that defines its own ``forward``; None when there is no registered base)."""
+    own: type | None = None
     for klass in type(module).__mro__:
-        if klass in _registry:
-            return _registry[klass]
-        convert = _lazy_registry.get(f"{klass.__module__}.{klass.__qualname__}")
-        if convert is not None:
-            return _Registration(convert=convert)
-        if "forward" in vars(klass):
-            return None
-    return None
+        registration = _registry.get(klass)
+        if registration is None:
+            convert = _lazy_registry.get(f"{klass.__module__}.{klass.__qualname__}")
+            registration = _Registration(convert=convert) if convert is not None else None
+        if registration is not None:
+            if own is None or (klass is nn.Linear and computes_linear(module)):
+                return registration, None
+            return None, (
+                f"its class {own.__qualname__} defines its own forward, which the distributed "
+                f"{klass.__name__} would replace"
+                + (" (it does not compute nn.Linear's function)" if klass is nn.Linear else "")
+            )
+        if own is None and "forward" in vars(klass):
+            own = klass
+    return None, None
+
+
+_linear_verdicts: dict[tuple, bool] = {}
+_MODULE_STATE = frozenset(vars(nn.Module()))  # torch's own bookkeeping (hook dicts, ...)
+
+
+def computes_linear(module: nn.Linear) -> bool:
+    """Whether ``module``, an ``nn.Linear`` whose class defines its own ``forward``, computes
+    ``F.linear(input, weight, bias)``, so that a distributed linear layer replaces it exactly.
+
+    Decided by running that forward, not by reading it: the module must hold nothing but
+    ``weight`` and ``bias`` (no other parameter, buffer or submodule its forward could use),
+    and its forward, given random float64 weights and inputs of two and three dimensions,
+    must return float64 values equal to ``F.linear``'s (to 1e-9; the two only sum in another
+    order). float64 makes a forward that fixes a dtype (an output cast to float32) fail.
+    Random weights (from a generator of its own: torch's are left as they were), not the
+    module's own, which may be zeros or not materialised yet (delayed initialisation). What
+    such a probe cannot see (a forward that depends on the input's values beyond the probe, on
+    training mode, or on state that changes) is the price of deciding this for any class; the
+    alternative, keeping every such subclass whole, left Falcon's every projection whole.
+    One verdict per class, sizes and plain attributes."""
+    if type(module).forward is nn.Linear.forward:
+        return True
+    params = module._parameters
+    if set(params) - {"weight", "bias"} or module._buffers or module._modules:
+        return False
+    plain = (bool, int, float, str, type(None))
+    # By type and value: True and 1 are equal keys, but a forward may tell them apart.
+    attributes = sorted(
+        (k, type(v).__name__, v) for k, v in vars(module).items() if isinstance(v, plain)
+    )
+    others = [
+        k
+        for k, v in vars(module).items()
+        if not isinstance(v, plain) and k not in _MODULE_STATE and not k.startswith("_smp")
+    ]
+    key = (type(module), module.in_features, module.out_features, params.get("bias") is not None,
+           tuple(attributes))  # fmt: skip
+    if not others and key in _linear_verdicts:
+        return _linear_verdicts[key]
+    verdict = _probe_linear(module)
+    if not others:
+        _linear_verdicts[key] = verdict
+    return verdict
+
+
+def _probe_linear(module: nn.Linear) -> bool:
+    g = torch.Generator().manual_seed(0)
+    f64 = torch.float64
+    weight = torch.randn(module.out_features, module.in_features, generator=g, dtype=f64)
+    has_bias = module._parameters.get("bias") is not None
+    bias = torch.randn(module.out_features, generator=g, dtype=f64) if has_bias else None
+    # A copy of the module that shares everything but its parameters.
+    probe = type(module).__new__(type(module))
+    probe.__dict__.update(vars(module))
+    probe.__dict__["_parameters"] = {"weight": weight, "bias": bias}
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for shape in ((2, module.in_features), (1, 2, module.in_features)):
+            x = torch.randn(*shape, generator=g, dtype=f64)
+            try:
+                out = type(module).forward(probe, x)
+            except Exception:  # noqa: BLE001 - any failure means "not a plain linear map"
+                return False
+            expected = F.linear(x, weight, bias)
+            if not (
+                torch.is_tensor(out)
+                and out.dtype == f64
+                and out.shape == expected.shape
+                and torch.allclose(out, expected, rtol=1e-9, atol=1e-12)
+            ):
+                return False
+    return True
 
 
 # ---- marking ------------------------------------------------------------------------------------
@@ -309,15 +400,20 @@ def distribute_marked_modules(root: nn.Module, group: Any) -> tuple[nn.Module, l
     """Replaces every marked, registered module of ``root`` by its distributed version.
 
     Returns (the new root — itself replaced if it was marked —, the paths replaced). Emits one
-    warning per marked module that stays whole, naming it and why.
+    warning per marked module that stays whole, naming it and why, and one naming every marked
+    module of a registered kind whose class defines its own forward (and so stays whole), with
+    the bytes each rank then holds whole.
     """
     owners = _parameter_owners(root)
     replaced: list[str] = []
+    refused: list[tuple[str, nn.Module, str]] = []
 
     def visit(module: nn.Module, path: str) -> nn.Module:
         mark = getattr(module, _MARK, None)
         if isinstance(mark, dict) and not _is_distributed(module):
-            registration = _find_registration(module)
+            registration, why = _lookup(module)
+            if why is not None:
+                refused.append((path or "<root>", module, why))
             if registration is not None:
                 try:
                     _check_not_shared(module, path, owners)
@@ -341,7 +437,46 @@ def distribute_marked_modules(root: nn.Module, group: Any) -> tuple[nn.Module, l
 
     root = visit(root, "")
     _name_regions(root)
+    if refused:
+        _warn_kept_whole(refused)
     return root, replaced
+
+
+def _warn_kept_whole(refused: list[tuple[str, nn.Module, str]]) -> None:
+    """One warning (on every rank, as the other conversion warnings) naming each marked module
+    that stays whole because its class defines its own forward, and the bytes of parameters
+    every rank then holds whole: a model made of such modules is barely split at all (Falcon's
+    projections, before ``FalconLinear`` was recognised as linear, left each rank 0.976 of it)."""
+    seen: set[int] = set()
+    total = 0
+    lines = []
+    for path, module, why in refused:
+        size = 0
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                size += _parameter_bytes(p)
+        total += size
+        lines.append(f"{path} ({type(module).__name__}, {size} bytes): {why}")
+    shown = "; ".join(lines[:8]) + (f"; and {len(lines) - 8} more" if len(lines) > 8 else "")
+    warnings.warn(
+        f"smp: {len(lines)} module(s) marked for tensor parallelism stay whole, {total} bytes of "
+        f"parameters held whole on every rank: {shown}. Register a distributed version "
+        "(smp.tp_register) or a sharding plan of the block around them (smp.tp_register_plan) "
+        "to split them",
+        stacklevel=3,
+    )
+
+
+def _parameter_bytes(p: torch.Tensor) -> int:
+    """The bytes of ``p``, or of the tensor it stands for when it is a delayed placeholder."""
+    record = getattr(p, delayed._PROGRAM, None)
+    if p.numel() == 0 and record is not None and hasattr(record, "shape"):
+        numel = 1
+        for d in record.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=record.dtype).element_size()
+    return p.numel() * p.element_size()
 
 
 _LAYER_LISTS = ("h", "layers", "layer")  # GPT-2 / GPT-J / Bloom, Llama / NeoX, BERT / RoBERTa
@@ -617,11 +752,22 @@ def _sharded_class(cls: type) -> type:
 
 
 def _linear_dims(module: nn.Module) -> tuple[int, int, bool]:
-    """(in, out, transposed) of an nn.Linear or a transformers Conv1D."""
+    """(in, out, transposed) of an nn.Linear (or a subclass computing its function) or a
+    transformers Conv1D. Conv1D is recognised as transformers' class, not by its name: another
+    class called Conv1D with an [out, in] weight would be split transposed, and of a square one
+    nothing would say so."""
     if isinstance(module, nn.Linear):
+        if not computes_linear(module):
+            raise _CannotDistribute(
+                f"{type(module).__qualname__} defines its own forward, which does not compute "
+                "nn.Linear's function"
+            )
         return module.in_features, module.out_features, False
-    if type(module).__name__ == "Conv1D" and module.weight.dim() == 2:
-        return module.weight.size(0), module.weight.size(1), True
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    if conv1d is not None and isinstance(module, conv1d) and module.weight.dim() == 2:
+        own = next((k for k in type(module).__mro__ if k is conv1d or "forward" in vars(k)), None)
+        if own is conv1d:
+            return module.weight.size(0), module.weight.size(1), True
     raise _CannotDistribute(f"{type(module).__name__} is not a linear projection")
 
 

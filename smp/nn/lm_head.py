@@ -133,6 +133,12 @@ def causal_lm_loss(
     (:class:`VocabParallelHead`), for this rank's samples: the same value and gradients as
     ``ForCausalLMLoss`` on the full logits of this rank's samples."""
     group, n = _group_and_size()
+    if logits.size(-1) * n != vocab_size:
+        raise ValueError(
+            f"smp: causal_lm_loss got vocab_size={vocab_size}, but the logits hold "
+            f"{logits.size(-1)} columns per rank of a tensor-parallel group of {n} "
+            f"({logits.size(-1) * n} in all): pass the width of the split output head"
+        )
     if shift_labels is None:
         labels = F.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
@@ -253,7 +259,15 @@ def distribute_lm_head(root: nn.Module, group: dist.ProcessGroup) -> tuple[list[
     embedding) along the vocabulary. Returns (paths replaced, why not when it was not done and
     the head was marked). Applies to models whose forward computes the loss with Hugging Face's
     ``ForCausalLMLoss`` through ``self.loss_function`` (every causal LM of transformers 5) and
-    whose head is a bias-free ``nn.Linear`` over the vocabulary."""
+    whose head is a bias-free ``nn.Linear`` (or a subclass that computes what it computes).
+
+    The split is the head's own width, ``out_features``, which the loss uses too: a pruned head
+    (Apertus' ``output_vocab_size``) is narrower than ``config.vocab_size``. A tied input
+    embedding whose class has its own forward (Gemma's, scaled by sqrt(hidden)) keeps that
+    forward when it gets its rows only from ``nn.Embedding``'s (:func:`_keeps_lookup`); such
+    classes the generic registry keeps whole, and so does this path when the check fails."""
+    from smp.tensor_parallel import _lookup, computes_linear
+
     get_output = getattr(root, "get_output_embeddings", None)
     if not callable(get_output) or not type(root).__module__.startswith("transformers"):
         return [], None
@@ -268,6 +282,8 @@ def distribute_lm_head(root: nn.Module, group: dist.ProcessGroup) -> tuple[list[
         return [], None
     if head.bias is not None:
         return [], "its bias is not supported by the vocab-parallel head"
+    if not computes_linear(head):
+        return [], _lookup(head)[1] or f"its class {type(head).__qualname__} has its own forward"
     n = group.size()
     vocab, hidden = head.out_features, head.in_features
     if vocab % n:
@@ -278,20 +294,36 @@ def distribute_lm_head(root: nn.Module, group: dist.ProcessGroup) -> tuple[list[
     head_path = _path_of(root, head)
     embedding = root.get_input_embeddings()
     tied = isinstance(embedding, nn.Embedding) and embedding.weight is head.weight
+    sharing = _sharing(root, head.weight, (head, embedding) if tied else (head,))
+    if sharing is not None:
+        # Splitting the head alone would give it a copy, and the other module's uses of the
+        # matrix would no longer train the head's.
+        return [], f"its weight is shared with {sharing}, which is not its input embedding"
     replaced = []
     if tied:
         if not _marked(embedding):
             return [], "it is tied to the input embedding, which is not marked; mark both"
         if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
             return [], "its tied input embedding uses max_norm, sparse or scale_grad_by_freq"
+        kept = None
+        if _own_forward(embedding, nn.Embedding):
+            kept = _kept_lookup_class(type(embedding))
+            if kept is None or not _keeps_lookup(embedding, vocab // n):
+                return [], (
+                    f"its tied input embedding's class {type(embedding).__qualname__} has its own "
+                    "forward, which does not get its rows from nn.Embedding's forward alone"
+                )
         with delayed.converting(embedding, n, group.rank()) as out:
-            new_embedding = out["new"] = DistributedEmbedding(
+            new_embedding = DistributedEmbedding(
                 embedding.num_embeddings,
                 embedding.embedding_dim,
                 padding_idx=embedding.padding_idx,
                 group=group,
                 full_weight=embedding.weight.detach().clone(),
             )
+            if kept is not None:  # the embedding itself, its forward kept, its rows split
+                new_embedding = _split_in_place(embedding, new_embedding, kept)
+            out["new"] = new_embedding
         new_embedding.train(embedding.training)
         embedding_path = _path_of(root, embedding)
         root.set_submodule(embedding_path, new_embedding)
@@ -304,15 +336,158 @@ def distribute_lm_head(root: nn.Module, group: dist.ProcessGroup) -> tuple[list[
     root.set_submodule(head_path, new_head)
     replaced.append(head_path)
     root.__class__ = _vocab_parallel_lm_class(type(root))
-    root.loss_function = functools.partial(causal_lm_loss_kw, root.config.vocab_size)
+    # The head's width, not config.vocab_size: the split and the loss must agree (a pruned
+    # head is narrower than the vocabulary).
+    root.loss_function = functools.partial(causal_lm_loss_kw, vocab)
     return replaced, None
 
 
-def causal_lm_loss_kw(vocab: int, logits=None, labels=None, *args, **kwargs):
-    """:func:`causal_lm_loss` called the way Hugging Face models call ``self.loss_function``
-    (``logits`` and ``labels`` positional or by keyword, ``vocab_size`` by keyword)."""
-    kwargs.pop("vocab_size", None)
-    return causal_lm_loss(vocab, logits, labels, *args, **kwargs)
+def _sharing(root: nn.Module, weight: nn.Parameter, allowed: tuple) -> str | None:
+    """The path of a module other than ``allowed`` that holds ``weight``, if any."""
+    for path, module in root.named_modules(remove_duplicate=False):
+        mine = any(module is a for a in allowed)
+        if not mine and any(p is weight for p in module.parameters(recurse=False)):
+            return path or "<root>"
+    return None
+
+
+def _own_forward(module: nn.Module, base: type) -> bool:
+    """Whether a class of ``module`` below ``base`` defines its own ``forward``."""
+    for klass in type(module).__mro__:
+        if klass is base:
+            return False
+        if "forward" in vars(klass):
+            return True
+    return False
+
+
+class _VocabParallelRows(DistributedEmbedding, nn.Embedding):
+    """What ``super().forward`` of a kept embedding subclass reaches in place of
+    ``nn.Embedding.forward``: :class:`DistributedEmbedding`'s (its MRO puts it first)."""
+
+
+class _ProbeRows(nn.Embedding):
+    """:func:`_keeps_lookup`'s stand-in for ``nn.Embedding.forward``: rows of another matrix."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input, self.__dict__["_smp_probe_rows"], self.padding_idx)
+
+
+_kept_classes: dict[tuple[type, type], type | None] = {}
+
+
+def _kept_lookup_class(cls: type, base: type = _VocabParallelRows) -> type | None:
+    """``cls`` with ``base`` between it and ``nn.Embedding`` in its MRO (None when Python cannot
+    order it so): ``cls``'s own forward runs, and its ``super().forward`` is ``base``'s."""
+    key = (cls, base)
+    if key not in _kept_classes:
+        try:
+            _kept_classes[key] = type(cls.__name__, (cls, base), {"_smp_kept_forward": True})
+        except TypeError:
+            _kept_classes[key] = None
+    return _kept_classes[key]
+
+
+def _with_parameters(module: nn.Module, cls: type, **params: torch.Tensor) -> nn.Module:
+    """A copy of ``module`` of class ``cls`` sharing everything but ``params``."""
+    copy = cls.__new__(cls)
+    copy.__dict__.update(vars(module))
+    copy.__dict__["_parameters"] = {**module._parameters, **params}
+    return copy
+
+
+def _keeps_lookup(embedding: nn.Embedding, rows_per_rank: int) -> bool:
+    """Whether ``embedding``'s own forward reads its rows only through ``nn.Embedding``'s, so
+    that with that lookup made vocab-parallel (:class:`_VocabParallelRows`) it computes what it
+    computed. Decided by running it: given random rows R, the class's forward must return the
+    same values when ``nn.Embedding.forward`` hands it R's rows while its own ``weight`` is a
+    random stand-in of a shard's shape (a forward that reads ``weight`` itself then differs or
+    fails) as it returns with R as its weight. On every id of the vocabulary, in the weight's
+    dtype and device, with a generator of its own (torch's are left as they were). Gemma's
+    forward (``super().forward(ids) * embed_scale``) passes; OPT's learned positions (which
+    take a mask, not ids) and a lookup of ``self.weight`` by hand do not."""
+    cls = type(embedding)
+    probe_cls = _kept_lookup_class(cls, _ProbeRows)
+    if probe_cls is None:
+        return False
+    like = embedding.weight
+    g = torch.Generator().manual_seed(0)
+    size, dim = embedding.num_embeddings, embedding.embedding_dim
+    rows = torch.randn(size, dim, generator=g).to(like.device, like.dtype)
+    stand_in = torch.randn(rows_per_rank, dim, generator=g).to(like.device, like.dtype)
+    ids = torch.arange(size, device=like.device).view(2, -1)
+    reference = _with_parameters(embedding, cls, weight=rows)
+    probe = _with_parameters(embedding, probe_cls, weight=stand_in)
+    probe.__dict__["_smp_probe_rows"] = rows
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        try:
+            out = cls.forward(probe, ids)
+            expected = cls.forward(reference, ids)
+        except Exception:  # noqa: BLE001 - any failure means "not a lookup we can split"
+            return False
+    return (
+        torch.is_tensor(out)
+        and torch.is_tensor(expected)
+        and out.dtype == expected.dtype
+        and out.shape == expected.shape
+        and torch.equal(out, expected)
+    )
+
+
+def _split_in_place(
+    embedding: nn.Embedding, split: DistributedEmbedding, kept: type
+) -> nn.Embedding:
+    """``embedding`` itself, of class ``kept``, holding ``split``'s shard and TP state: its own
+    attributes and buffers (Gemma's ``embed_scale``) stay, its forward runs as before and its
+    ``super().forward`` is ``split``'s vocab-parallel lookup."""
+    embedding.__class__ = kept
+    for key in ("tp_group", "tp_size", "tp_rank", "vocab_start"):
+        embedding.__dict__[key] = split.__dict__[key]
+    embedding.weight = split.weight
+    return embedding
+
+
+_loss_signature: inspect.Signature | None = None
+# ForCausalLMLoss's parameters that causal_lm_loss computes as Hugging Face does.
+_LOSS_PARAMETERS = ("logits", "labels", "vocab_size", "num_items_in_batch", "ignore_index",
+                    "shift_labels")  # fmt: skip
+
+
+def causal_lm_loss_kw(vocab: int, *args, **kwargs):
+    """:func:`causal_lm_loss` called the way Hugging Face models call ``self.loss_function``:
+    the arguments are bound by the installed ``ForCausalLMLoss``'s own signature, so
+    ``vocab_size`` may come by keyword (Llama) or by position (Mixtral, Gemma 2/3, Qwen2-MoE,
+    Jamba, ...: ``self.loss_function(logits, labels, self.vocab_size, **kwargs)``), as may
+    ``num_items_in_batch`` after it. ``vocab`` is the split head's width: a model passing
+    another vocabulary size would have Hugging Face reshape its logits into rows of that size
+    (an error or wrong rows), so that raises. A parameter of ``ForCausalLMLoss`` that
+    :func:`causal_lm_loss` does not know (a later transformers' addition) raises when given."""
+    global _loss_signature
+    if _loss_signature is None:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        _loss_signature = inspect.signature(ForCausalLMLoss)
+    bound = _loss_signature.bind(*args, **kwargs)
+    known: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = _loss_signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            known.update(value)  # passed on and ignored by Hugging Face's loss too
+        elif name in _LOSS_PARAMETERS:
+            known[name] = value
+        elif value is not _loss_signature.parameters[name].default:
+            raise TypeError(
+                f"smp's vocab-parallel causal-LM loss does not implement ForCausalLMLoss's "
+                f"argument {name}={value!r}; leave the output head whole (unmark it) to use it"
+            )
+    given = known.pop("vocab_size")
+    if int(given) != vocab:
+        raise ValueError(
+            f"smp: the model passes vocab_size={given} to its loss, but its output head (split "
+            f"along the vocabulary) has {vocab} outputs; Hugging Face's loss would reshape the "
+            f"logits into rows of {given}. Pass the head's width (lm_head.out_features)"
+        )
+    return causal_lm_loss(vocab, known.pop("logits"), known.pop("labels"), **known)
 
 
 def _loss_via_hook(root: nn.Module) -> bool:
