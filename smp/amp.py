@@ -4,14 +4,22 @@
 rank's inf/NaN flags are all-reduced (MAX) over the world when the gradients are unscaled, so a
 step is skipped, and the scale lowered, on every rank at once (pipeline stages and TP shards
 hold different gradients). Use it as torch's: ``model.backward(scaler.scale(loss))`` inside the
-step function, ``scaler.step(optimizer)`` and ``scaler.update()`` after it. (With
-``smp.DistributedOptimizer``'s own loss scaling under ``"fp16": True`` there is nothing to add.)
+step function, then (optionally ``scaler.unscale_(optimizer)`` and
+``optimizer.clip_grad_norm_(max_norm)``) ``scaler.step(optimizer)`` and ``scaler.update()``
+after it. (With ``smp.DistributedOptimizer``'s own loss scaling under ``"fp16": True`` there is
+nothing to add.)
+
+A float16 / bfloat16 model's optimizer steps float32 master weights (design.md §2b), which get
+the model's gradients only when asked: ``unscale_`` first copies them in (so torch's unscaling
+and inf check see this step's gradients, not the masters' empty ones), then unscales the
+masters' gradients.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
 
 from smp.state import get_state, is_initialized
 
@@ -42,6 +50,12 @@ class GradScaler(torch.amp.GradScaler):
             self._lazy_init_scale_growth_tracker(torch.device(device))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        sync = getattr(optimizer, "_sync_master_grads", None)
+        if self._enabled and sync is not None:
+            # A low-precision model's float32 masters are the optimizer's parameters: they get
+            # this step's (still scaled) gradients now, else torch unscales and checks nothing
+            # and the step applies scaled gradients (design.md §2b).
+            sync()
         super().unscale_(optimizer)
         if not self._enabled or not is_initialized():
             return
@@ -56,3 +70,19 @@ class GradScaler(torch.amp.GradScaler):
             flag.copy_(local.to(flag.device).reshape(flag.shape))
         if not found:  # this rank holds no gradient: it still follows the others' decision
             found[state.device] = local.reshape(())
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        """torch's ``step``, with this scaler's unscaling (the masters' gradients, the agreed
+        inf check) also before an optimizer that unscales in its own step (``fused=True``:
+        torch would otherwise check only this rank's gradients), and the masters' gradients
+        taken afresh next step whether or not this one was skipped."""
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        stage = self._per_optimizer_states[id(optimizer)]["stage"]
+        if self._enabled and fused and stage is OptState.READY:
+            self.unscale_(optimizer)
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            if hasattr(optimizer, "_smp_synced"):
+                # A skipped step never reaches optimizer.step(), which would have cleared it.
+                optimizer._smp_synced = False

@@ -22,6 +22,7 @@ for one), since only operations on the parameter itself are recorded.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -239,24 +240,27 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         yield  # nested: the outer context records
         return
     recorder = _Recorder()
-    _mapped_alone()  # until DistributedModel has given the parameters their values
-    with _patch_lock:
-        _active += 1
-        nn.Module.register_parameter = _register_parameter
-        for name, patched in _init_patches.items():
-            setattr(nn.init, name, patched)
-    _local.recorder = recorder
-    try:
-        with recorder:
-            yield
-    finally:
-        _local.recorder = None
+    # Recording allocates and frees scratch tensors: large ones mapped alone while it runs,
+    # glibc's threshold put back when it ends, however it ends (DistributedModel maps them alone
+    # again while it gives the parameters values).
+    with returning_memory():
         with _patch_lock:
-            _active -= 1
-            if not _active:
-                nn.Module.register_parameter = _original_register
-                for name, original in _init_originals.items():
-                    setattr(nn.init, name, original)
+            _active += 1
+            nn.Module.register_parameter = _register_parameter
+            for name, patched in _init_patches.items():
+                setattr(nn.init, name, patched)
+        _local.recorder = recorder
+        try:
+            with recorder:
+                yield
+        finally:
+            _local.recorder = None
+            with _patch_lock:
+                _active -= 1
+                if not _active:
+                    nn.Module.register_parameter = _original_register
+                    for name, original in _init_originals.items():
+                        setattr(nn.init, name, original)
 
 
 def has_delayed(module: nn.Module) -> bool:
@@ -364,8 +368,15 @@ def materialized_while_called(module: nn.Module, pool: dict) -> Iterator[None]:
             post(m)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-_returning = [0]  # depth of returning_memory contexts
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters
+_M_MMAP_THRESHOLD = -3
+_MAPPED_ALONE = 1 << 20
+_GLIBC_INITIAL = 128 * 1024  # glibc's initial M_MMAP_THRESHOLD (and M_TRIM_THRESHOLD)
+_malloc_lock = threading.Lock()
+_mapping = [0]  # depth of returning_memory contexts (all threads)
+# The M_MMAP_THRESHOLD smp set last (None: never): glibc has no getter, so this is what smp
+# knows of the process's threshold.
+_threshold_set: list[int | None] = [None]
 
 
 def _glibc():
@@ -385,29 +396,68 @@ def returning_memory(enabled: bool = True) -> Iterator[None]:
     parameters their values allocates and frees whole weights one after another; glibc's
     default moves large allocations onto its heap after the first frees, and there freed
     weights interleaved with kept shards stay in the process (measured at tp 2: the whole
-    model's size again, design.md §7d). Afterwards the threshold is 32 MiB, the ceiling glibc's
-    own adjustment reaches. Without glibc, nothing changes."""
+    model's size again, design.md §7d). When the outermost context ends, however it ends,
+    glibc's settings go back as close to what they were as glibc allows
+    (:func:`_glibc_settings`). Without glibc, nothing changes."""
     libc = _glibc() if enabled else None
     if libc is None:
         yield
         return
-    _mapped_alone(libc)
-    _returning[0] += 1
+    with _malloc_lock:
+        _mapping[0] += 1
+        if _mapping[0] == 1:
+            libc.mallopt(_M_MMAP_THRESHOLD, _MAPPED_ALONE)
+            _threshold_set[0] = _MAPPED_ALONE
     try:
         yield
     finally:
-        _returning[0] -= 1
-        if _returning[0] == 0:
-            libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        with _malloc_lock:
+            _mapping[0] -= 1
+            if _mapping[0] == 0:
+                for param, value in _glibc_settings():
+                    libc.mallopt(param, value)
+                    if param == _M_MMAP_THRESHOLD:
+                        _threshold_set[0] = value
 
 
-def _mapped_alone(libc=None) -> None:
-    """Allocations of 1 MiB or more mapped on their own from now on, until the outermost
-    :func:`returning_memory` ends. Building a delayed model starts it too: recording frees and
-    allocates scratch tensors, and what glibc's heap takes then stays (measured)."""
-    libc = libc or _glibc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+def _glibc_settings(environ: dict[str, str] | None = None) -> list[tuple[int, int]]:
+    """The ``mallopt`` calls that put glibc back as close as it allows to where it was before
+    smp's first call. glibc has no getter and cannot return to its dynamic threshold once
+    ``M_MMAP_THRESHOLD`` was set (mallopt(3): setting it, ``M_TRIM_THRESHOLD``, ``M_TOP_PAD`` or
+    ``M_MMAP_MAX`` disables the adjustment for good), so what the process started with is read
+    from the environment glibc itself reads at startup:
+
+    - a threshold the user chose (``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=N`` or
+      ``MALLOC_MMAP_THRESHOLD_=N``): that threshold again;
+    - another of those settings chosen (dynamic adjustment off from the start): glibc's initial
+      threshold, 128 KiB, which the process had;
+    - none (glibc's default, dynamic): the state the dynamic adjustment converges to once blocks
+      of its ceiling have been freed, as they are in any process that builds a model: the
+      threshold at its ceiling, 32 MiB on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``, 4 MiB x
+      sizeof(long)), and the trim threshold twice that, the pair the adjustment keeps.
+    """
+    import ctypes
+
+    environ = os.environ if environ is None else environ
+    chosen: dict[str, str] = {}
+    for item in environ.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = item.partition("=")
+        if name.startswith("glibc.malloc."):
+            chosen[name.removeprefix("glibc.malloc.")] = value
+    for name in ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max"):
+        legacy = environ.get(f"MALLOC_{name.upper()}_")
+        if legacy is not None:
+            chosen.setdefault(name, legacy)
+    if "mmap_threshold" in chosen:
+        try:
+            return [(_M_MMAP_THRESHOLD, int(chosen["mmap_threshold"], 0))]
+        except ValueError:
+            pass  # glibc ignored it as well: as if not set
+        chosen.pop("mmap_threshold")
+    if chosen.keys() & {"trim_threshold", "top_pad", "mmap_max"}:
+        return [(_M_MMAP_THRESHOLD, _GLIBC_INITIAL)]
+    ceiling = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
+    return [(_M_MMAP_THRESHOLD, ceiling), (_M_TRIM_THRESHOLD, 2 * ceiling)]
 
 
 def waiting(p: torch.Tensor) -> bool:

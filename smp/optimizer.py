@@ -369,11 +369,44 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Gives each float32 master weight its model parameter's gradient, in float32 (once per
         step: clipping and unscaling then work on these)."""
         masters = getattr(self, "_smp_masters", None)
-        if not masters or self._smp_synced:
+        if not masters:
             return
+        if self._smp_synced:
+            self._check_model_grads_unchanged()
+            return
+        copied = []
         for master, param in masters.values():
             master.grad = None if param.grad is None else param.grad.detach().float()
+            # What was copied, by identity and version counter (an in-place change bumps it):
+            # a change after this copy would be lost, so it raises (no sync, no collective).
+            copied.append((param, param.grad, None if param.grad is None else param.grad._version))
+        self._smp_copied_grads = copied
         self._smp_synced = True
+
+    def _check_model_grads_unchanged(self) -> None:
+        """Raises MasterGradientsChangedError if a low-precision parameter's gradient changed
+        since it was copied into its float32 master this step."""
+        changed = [
+            param
+            for param, grad, version in getattr(self, "_smp_copied_grads", ())
+            if param.grad is not grad or (grad is not None and grad._version != version)
+        ]
+        if not changed:
+            return
+        model = self._model()
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        shown = ", ".join(names.get(id(p), f"a {p.dtype} {list(p.shape)}") for p in changed[:3])
+        raise MasterGradientsChangedError(
+            f"smp.DistributedOptimizer: the gradient of {len(changed)} low-precision model "
+            f"parameter(s) ({shown}{', ...' if len(changed) > 3 else ''}) changed after this "
+            "step's gradients were copied into the optimizer's float32 master weights (by "
+            "scaler.unscale_(optimizer), optimizer.clip_grad_norm_ or fp16 unscaling), so the "
+            "step would not see the change; e.g. torch.nn.utils.clip_grad_norm_(model."
+            "parameters()) after scaler.unscale_(optimizer) clips the still-scaled float16 "
+            "gradients, not the masters. Clip with optimizer.clip_grad_norm_(max_norm) (the "
+            "masters' unscaled gradients, global norm over every rank), and change the model's "
+            "gradients only before unscaling."
+        )
 
     def _release_masters(self) -> None:
         """Frees the master weights of parameters another pipeline stage owns (their model
@@ -643,6 +676,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class MasterGradientsChangedError(RuntimeError):
+    """A low-precision model's gradients changed after they were copied into the optimizer's
+    float32 master weights (the step would silently not see the change)."""
 
 
 def _master_weights(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.Tensor, Any]]:

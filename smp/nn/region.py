@@ -13,13 +13,21 @@ Note [Region agreement]
 At entry (smp's batch semantics only: not nested, tp > 1, not ``prescaled_batch``) each rank
 describes its call: the region's name, the grad mode, and every leaf of (args, kwargs): tensors
 by dtype, shape, requires_grad and device type; None, numbers, strings, dtypes and enum members
-by value; lists, tuples, named tuples and dicts by structure; anything else (a key/value cache, a
-module) by type. The region's name is its path in the model, so ranks in different regions show.
+by value; lists, tuples, named tuples and dicts (with keys of those kinds, or tuples of them) by
+structure; anything else (a ``Fraction``, a numpy scalar, a dataclass) by type and a digest of
+its contents, the hash of its pickle. An object that does not pickle (a lambda) has no digest: it
+is taken to differ on every rank, never to agree. An object that holds tensors (a key/value
+cache) is described by its type: its tensors' values cannot be compared without a copy, and on a
+GPU a sync, per call, and digesting the rest costs a walk of the whole object per call (a 32-layer
+Hugging Face cache: ~200 us, for each of the 32 layers' calls); such an object never travels, and
+the runs in turn below are exact for it only when the region reads the same state from each
+rank's object. The region's name is its path in the model, so ranks in different regions show.
 The TP group all-gathers a 16-byte digest of that description. Equal digests: the region runs
 as it always did. Different digests: the full descriptions are all-gathered, and then
   - a difference that cannot run (ranks in different regions, grad mode on some ranks only, an
-    object smp cannot send missing or of another type on some rank) raises on every rank,
-    naming the region, the ranks and the difference, before any collective of the region;
+    object holding tensors missing or of another type on some rank, an object without a digest)
+    raises on every rank, naming the region, the ranks and the difference, before any collective
+    of the region;
   - anything else runs *in turn* (Note [Runs in turn]).
 Every rank takes the same branch: each decision is a function of the all-gathered descriptions.
 
@@ -39,11 +47,13 @@ All ranks run identical code on identical data, so the forward collectives match
     runs into this rank's output, giving zeros to the other runs' in backward. So every rank's
     backward reaches every run, and as the runs' graphs are the same on every rank and the autograd
     engine runs ready nodes by decreasing sequence number, the backward collectives match too.
-  - Objects smp cannot send (a key/value cache): rank r's own run uses rank r's object; the other
-    runs use a fork of it taken before the first run (Python structure copied, tensors shared), so
-    the object sees only this rank's samples, as its outputs do. This is exact when the region
-    reads the same state from each rank's object, e.g. Hugging Face's cache in training (a fresh
-    cache every forward, so the block's entry is empty).
+  - Objects: rank r's own run uses rank r's object. An object that holds no tensor travels with
+    the descriptions (pickled), and rank j's run on every rank uses a copy of rank j's: exact
+    whatever its contents. One that holds tensors (a key/value cache) cannot be sent: the other
+    runs use a fork of rank r's own, taken before the first run (Python structure copied, tensors
+    shared), so the object sees only this rank's samples, as its outputs do. This is exact when
+    the region reads the same state from each rank's object, e.g. Hugging Face's cache in
+    training (a fresh cache every forward, so the block's entry is empty).
 The cost is n runs on one rank's samples each instead of one run on the group's batch: the same
 FLOPs in smaller pieces, n times the region's collective calls, and all-reduces of every rank's
 inputs (forward) and of the outputs' gradients (backward).
@@ -56,6 +66,7 @@ import contextlib
 import copy
 import enum
 import hashlib
+import io
 import itertools
 import logging
 import pickle
@@ -153,9 +164,10 @@ def run_region(
     if in_region() or module.tp_size == 1 or batch_is_shared() or tpf._local_only:
         return _call(fn, args, kwargs, moves_batch)
     mine = _Call.describe(module, args, kwargs)
-    specs = _agree(module, mine)
-    if specs is not None:
-        return _run_in_turn(module, fn, mine, specs, moves_batch)
+    agreed = _agree(module, mine)
+    if agreed is not None:
+        specs, sent = agreed
+        return _run_in_turn(module, fn, mine, specs, moves_batch, sent)
     if not moves_batch:
         return fn(*args, **kwargs)
     first = mine.tensors[0] if mine.tensors else None
@@ -191,13 +203,68 @@ def _call(fn: Callable, args: tuple, kwargs: dict, moves_batch: bool) -> Any:
 # ---- describing a call --------------------------------------------------------------------------
 
 # Leaves described (and sent) by value, with enum members and slices of ints. Everything else
-# that is not a tensor, a torch.Size, a device or a container is an object smp cannot send:
-# described by its type only.
+# that is not a tensor, a torch.Size, a device or a container is an object: described by its
+# type and a digest of its contents (:func:`_content`).
 _VALUES = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), torch.dtype)
+# Dict keys a spec holds as they are (their repr is the same on every rank for equal keys).
+_KEYS = (str, int, bool, bytes, type(None))
 
 
 def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plain_key(key: Any) -> bool:
+    if type(key) is tuple:
+        return all(_plain_key(k) for k in key)
+    return type(key) in _KEYS or isinstance(key, enum.Enum)
+
+
+class _HoldsTensors(Exception):
+    """Raised by :class:`_ContentPickler` at an object's first tensor."""
+
+
+class _ContentPickler(pickle.Pickler):
+    """Pickles an argument for its digest, and stops at the first tensor inside it."""
+
+    def __init__(self, file: io.BytesIO):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Not persistent_id: pickle calls that (in Python) for every object it meets, this only
+        # for the types it does not pickle itself.
+        if isinstance(obj, torch.Tensor):
+            raise _HoldsTensors
+        return NotImplemented
+
+
+# The description of an object that holds tensors (Note [Region agreement]).
+_HOLDS_TENSORS = "holds tensors"
+
+
+def _content(obj: Any) -> tuple[str | None, str]:
+    """(digest, why none) of an object argument's contents.
+
+    The digest is a hash of its pickle, so two objects digest equally only if they pickle to
+    the same bytes: a ``Fraction``, a numpy scalar or array, a dataclass or a user object by its
+    state, a function or class by its name. Pickling that is not deterministic (a set of
+    strings, iterated in the process's hash order; an object whose state holds ids) can make
+    equal objects digest differently, never different ones equally: they then run in turn,
+    still exact. A set of plain values is digested sorted. An object that holds a tensor is
+    :data:`_HOLDS_TENSORS` (its type decides; Note [Region agreement] says why). An object that
+    does not pickle (a lambda, a lock) has no digest: None and the error."""
+    if type(obj) in (set, frozenset) and all(type(v) in _VALUES for v in obj):
+        items = sorted((_qualified(type(v)), repr(v)) for v in obj)
+        raw = repr((_qualified(type(obj)), items)).encode()
+        return hashlib.blake2b(raw, digest_size=16).hexdigest(), ""
+    buffer = io.BytesIO()
+    try:
+        _ContentPickler(buffer).dump(obj)
+    except _HoldsTensors:
+        return _HOLDS_TENSORS, ""
+    except Exception as exc:  # noqa: BLE001 - anything pickling raises: no digest
+        return None, f"{type(exc).__name__}: {exc}"
+    return hashlib.blake2b(buffer.getvalue(), digest_size=16).hexdigest(), ""
 
 
 class _Call:
@@ -208,18 +275,31 @@ class _Call:
     nodes are ``("tensor", dtype, shape, requires_grad, device_type)``, ``("value", v)``,
     ``("size", dims)``, ``("device", type)``, ``("list" | "tuple", children)``,
     ``("namedtuple", name, children)``, ``("dict" | "OrderedDict", ((key, child), ...))`` and
-    ``("object", qualified type name)``.
+    ``("object", qualified type name, content)``. ``content`` is the digest of the object's
+    contents (:func:`_content`; ``"holds tensors"`` for an object holding tensors, described by
+    its type), or, for an object that has none, ``("undigestible", tp rank,
+    why)``: it differs on every rank, so such an object is never taken to be equal to its
+    peers' (the ranks go to the slow path, which refuses it).
     ``tensors`` are the tensor leaves in the order of the spec, ``objects`` the leaves smp cannot
-    send and the named tuples' classes, by path.
+    describe by value and the named tuples' classes, by path; ``sendable`` those objects that
+    hold no tensor (another rank's run can use a copy of them).
     """
 
-    def __init__(self, spec: tuple, tensors: list[torch.Tensor], objects: dict[tuple, Any]):
+    def __init__(
+        self,
+        spec: tuple,
+        tensors: list[torch.Tensor],
+        objects: dict[tuple, Any],
+        sendable: dict[tuple, Any] | None = None,
+    ):
         self.spec, self.tensors, self.objects = spec, tensors, objects
+        self.sendable = sendable or {}
 
     @classmethod
     def describe(cls, module: nn.Module, args: tuple, kwargs: dict) -> _Call:
         tensors: list[torch.Tensor] = []
         objects: dict[tuple, Any] = {}
+        sendable: dict[tuple, Any] = {}
 
         def node(obj: Any, path: tuple) -> tuple:
             if isinstance(obj, torch.Tensor):
@@ -238,10 +318,16 @@ class _Call:
                 objects[path] = kind
                 children = tuple(node(v, (*path, i)) for i, v in enumerate(obj))
                 return ("namedtuple", _qualified(kind), children)
-            if kind in (dict, collections.OrderedDict) and all(type(k) in (str, int) for k in obj):
+            if kind in (dict, collections.OrderedDict) and all(_plain_key(k) for k in obj):
                 return (kind.__name__, tuple((k, node(v, (*path, k))) for k, v in obj.items()))
             objects[path] = obj
-            return ("object", _qualified(kind))
+            digest, why = _content(obj)
+            if digest is None:
+                rank = getattr(module, "tp_rank", 0)
+                return ("object", _qualified(kind), ("undigestible", rank, why))
+            if digest != _HOLDS_TENSORS:  # its pickle is the whole value: a copy can travel
+                sendable[path] = obj
+            return ("object", _qualified(kind), digest)
 
         spec = (
             "region",
@@ -250,7 +336,7 @@ class _Call:
             node(tuple(args), ("args",)),
             node(dict(kwargs), ("kwargs",)),
         )
-        return cls(spec, tensors, objects)
+        return cls(spec, tensors, objects, sendable)
 
     def digest(self) -> torch.Tensor:
         """16 bytes of a hash of the spec, as 2 int64 (the fast path of the agreement)."""
@@ -369,7 +455,10 @@ def _describe_difference(specs: list[tuple], a: int, b: int) -> str:
         found = _first_difference(specs[a][index], specs[b][index], root)
         if found:
             path, na, nb = found
-            return f"{_where(path)} is {_what(na)} on TP rank {a} and {_what(nb)} on TP rank {b}"
+            other = _what(nb)
+            if na and nb and na[0] == nb[0] == "object" and na[1] == nb[1]:
+                other = "one with other contents"
+            return f"{_where(path)} is {_what(na)} on TP rank {a} and {other} on TP rank {b}"
     return f"TP ranks {a} and {b} called it the same way"
 
 
@@ -402,20 +491,44 @@ def _all_gather_bytes(group: Any, data: bytes) -> list[bytes]:
 _announced = False  # the first region whose ranks' arguments differ is logged once
 
 
-def _agree(module: nn.Module, mine: _Call) -> list[tuple] | None:
-    """None if every rank of the group called the region the same way; else every rank's spec,
-    after checking that the calls can run in turn (Note [Region agreement])."""
+def _agree(module: nn.Module, mine: _Call) -> tuple[list[tuple], list[dict]] | None:
+    """None if every rank of the group called the region the same way; else every rank's spec
+    and the copies of every rank's sendable objects (by path), after checking that the calls
+    can run in turn (Note [Region agreement])."""
     global _announced
     group, n = module.tp_group, module.tp_size
     digests = _exchange(group, mine.digest()).tolist()  # 2 int64 per rank
     if digests == digests[:2] * n:
         return None
     try:
-        data = pickle.dumps(mine.spec)
+        # The sendable objects in one pickle: one object at two paths stays one object.
+        data = pickle.dumps((mine.spec, pickle.dumps(mine.sendable) if mine.sendable else b""))
     except Exception as exc:  # noqa: BLE001 - a value that does not pickle: every rank raises
-        data = pickle.dumps(("unsendable", f"{type(exc).__name__}: {exc}"))
-    specs = [pickle.loads(b) for b in _all_gather_bytes(group, data)]
-    problem = _cannot_run(specs)
+        data = pickle.dumps((("unsendable", f"{type(exc).__name__}: {exc}"), b""))
+    received = [pickle.loads(b) for b in _all_gather_bytes(group, data)]
+    specs = [spec for spec, _ in received]
+    sent: list[dict] = []
+    failed = ""
+    for j, (_, objects) in enumerate(received):
+        try:
+            sent.append(pickle.loads(objects) if objects else {})
+        except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
+            sent.append({})
+            failed = failed or f"TP rank {j}'s objects ({type(exc).__name__}: {exc})"
+    if any(objects for _, objects in received):  # the same on every rank: all take this branch
+        # One byte first: a rank with nothing to say still sends something.
+        gathered = _all_gather_bytes(group, b"!" + failed.encode())
+        failures = [(i, f[1:].decode()) for i, f in enumerate(gathered) if len(f) > 1]
+        if failures:
+            where, what = failures[0]
+            raise DivergentArgumentsError(
+                f"smp: the tensor-parallel ranks called {region_name(module)} with arguments "
+                f"that differ, and on TP rank {where} a copy of {what} could not be unpickled, "
+                "so the ranks' arguments cannot run in turn. Pass values that unpickle, or the "
+                "same values on every rank. (Raised on every rank of the TP group; this is TP "
+                f"rank {module.tp_rank}.)"
+            )
+    problem = _cannot_run(specs, sent)
     if problem is not None:
         raise DivergentArgumentsError(
             f"smp: the tensor-parallel ranks called {region_name(module)} "
@@ -425,7 +538,7 @@ def _agree(module: nn.Module, mine: _Call) -> list[tuple] | None:
         )
     if not _announced:
         _announced = True
-        other = next(j for j in range(n) if specs[j] != specs[0])
+        other = next((j for j in range(n) if specs[j] != specs[0]), 0)
         logger.info(
             "smp: the tensor-parallel ranks' arguments to %s differ (%s): a region whose ranks' "
             "arguments differ runs each rank's arguments in turn on the whole group (exact; the "
@@ -434,7 +547,7 @@ def _agree(module: nn.Module, mine: _Call) -> list[tuple] | None:
             _describe_difference(specs, 0, other),
             n,
         )
-    return specs
+    return specs, sent
 
 
 def _microbatch() -> str:
@@ -463,9 +576,10 @@ def _node_at(spec: tuple, path: tuple) -> tuple | None:
     return node
 
 
-def _cannot_run(specs: list[tuple]) -> tuple[str, str] | None:
+def _cannot_run(specs: list[tuple], sent: list[dict] | None = None) -> tuple[str, str] | None:
     """(what differs, the fix) if the calls cannot run in turn, else None. It reads only the
-    all-gathered specs, so every rank decides the same."""
+    all-gathered specs and which objects each rank sent (``sent``), so every rank decides the
+    same."""
     n = len(specs)
     for j, spec in enumerate(specs):
         if spec[0] == "unsendable":
@@ -493,10 +607,27 @@ def _cannot_run(specs: list[tuple]) -> tuple[str, str] | None:
             "Run the region under torch.no_grad() on every rank of the group or on none.",
         )
     placed = [{**_placed(s[3], ("args",), {}), **_placed(s[4], ("kwargs",), {})} for s in specs]
+    sent = sent or [{} for _ in specs]
     for j in range(n):
         for r in range(n):
             for path, node in placed[j].items():
-                if placed[r].get(path) == node:
+                if r == j or path in sent[j]:  # its own, or a copy of rank j's travelled
+                    continue
+                theirs = placed[r].get(path)
+                if node[0] == "object" and not isinstance(node[2], str):
+                    return (
+                        f"{_where(path)} is {_what(node)} on TP rank {j}, which smp cannot "
+                        f"compare with the other ranks' ({node[2][2]}), so it could differ "
+                        "between them unseen",
+                        "Pass a value that pickles (smp compares arguments that are not "
+                        "tensors by a digest of their pickle), or give the module this object "
+                        "as an attribute instead of an argument.",
+                    )
+                if node[0] == "object":  # holds tensors: rank r runs it with a fork of its own
+                    same = theirs is not None and theirs[0] == "object" and theirs[1] == node[1]
+                else:  # a named tuple's class
+                    same = theirs == node
+                if same:
                     continue
                 here = (
                     f"{_where(path)} is {_what(node)} on TP rank {j} and "
@@ -506,9 +637,9 @@ def _cannot_run(specs: list[tuple]) -> tuple[str, str] | None:
                 also = f" (and {first})" if first != here else ""
                 return (
                     f"{here}{also}. Ranks whose arguments differ run each rank's arguments in "
-                    "turn, and an object that is not a tensor, number, string or None (or a list, "
-                    "tuple or dict of these) cannot be sent between ranks: every rank needs one "
-                    "of the same type in the same place",
+                    "turn, and an object that holds tensors (other than a list, tuple or dict) "
+                    "cannot be sent between ranks: every rank needs one of the same type in the "
+                    "same place",
                     "Pass objects of the same type in the same places on every rank (or None on "
                     "every rank).",
                 )
@@ -679,11 +810,19 @@ def _keep_own(outputs: list[Any], rank: int, group: Any) -> Any:
 
 
 def _run_in_turn(
-    module: nn.Module, fn: Callable, mine: _Call, specs: list[tuple], moves_batch: bool
+    module: nn.Module,
+    fn: Callable,
+    mine: _Call,
+    specs: list[tuple],
+    moves_batch: bool,
+    sent: list[dict] | None = None,
 ) -> Any:
-    """Runs the region once per TP rank's arguments on every rank (Note [Runs in turn])."""
+    """Runs the region once per TP rank's arguments on every rank (Note [Runs in turn]): rank
+    j's run uses rank j's sendable objects (a copy: ``sent[j]``), else this rank's own (its own
+    run) or a fork of them."""
     group, rank = module.tp_group, module.tp_rank
-    forks = [None if j == rank else _fork(mine.objects) for j in range(len(specs))]
+    sent = sent or [{} for _ in specs]
+    forks = [None if j == rank else {**_fork(mine.objects), **sent[j]} for j in range(len(specs))]
     outputs = []
     for j, spec in enumerate(specs):
         tensors = _receive(spec, mine.tensors if j == rank else None, group)
