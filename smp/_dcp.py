@@ -1,12 +1,16 @@
 """smp's glue to torch.distributed.checkpoint (DCP), imported only when a checkpoint is saved or
 loaded: tensor-parallel shards described to DCP's planners as the chunks of the full tensor they
-are, and a file-system writer that records each file's size and CRC-32C (smp.checkpoints)."""
+are, and a file-system writer that records each file's size and CRC-32C (smp.checkpoints); a
+reader that checks them and runs no code from the checkpoint (DCP's own unpickles ``.metadata``
+and its byte items with plain pickle)."""
 
 from __future__ import annotations
 
 import io
 import mmap
 import os
+import pathlib
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem as _filesystem
+from torch.distributed.checkpoint import metadata as _metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
     TensorProperties,
 )
@@ -35,7 +42,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 from torch.futures import Future
 
-from smp.checkpoints import _crc, _digest
+from smp.checkpoints import _crc, _digest, _load_plain
 
 # ---- tensor-parallel shards as DCP chunks --------------------------------------------------------
 
@@ -182,6 +189,11 @@ class _LoadPlanner(DefaultLoadPlanner):
             return _narrow(piece, read_item.dest_offsets, read_item.lengths)
         return super().resolve_tensor(read_item)
 
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        # DCP's own uses torch.load(weights_only=False); smp's byte items are plain values.
+        fqn = read_item.dest_index.fqn
+        self.state_dict[fqn] = _load_plain(value, f"checkpoint item {fqn!r}")
+
 
 def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
     """The box of ``tensor`` at ``offsets`` with ``lengths`` (a view)."""
@@ -236,14 +248,81 @@ def _range_digest(path: Path, items: list[tuple[int, int]]) -> dict[str, Any]:
     return {"bytes": size, "ranges": ranges}
 
 
+# What DCP's ``.metadata`` pickle may name (a checkpoint's pickle can name any callable; these
+# are the classes DCP writes there), besides torch's dtypes.
+_METADATA_GLOBALS = {
+    (cls.__module__, cls.__qualname__): cls
+    for cls in (
+        Metadata,
+        _metadata.TensorStorageMetadata,
+        _metadata.BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        MetadataIndex,
+        _metadata.StorageMeta,
+        _metadata._MEM_FORMAT_ENCODING,
+        _filesystem._StorageInfo,
+        torch.Size,
+        pathlib.PurePosixPath,
+        pathlib.PosixPath,
+    )
+}
+_METADATA_GLOBALS[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+for _cls in (pathlib.PurePosixPath, pathlib.PosixPath):  # pickled under "pathlib" too
+    _METADATA_GLOBALS[("pathlib", _cls.__name__)] = _cls
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata``, refusing every global but :data:`_METADATA_GLOBALS` and
+    torch's dtypes: loading a checkpoint runs no code from it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _METADATA_GLOBALS.get((module, name))
+        if found is None and module == "torch":  # a dtype: torch.float32 pickles as one
+            dtype = getattr(torch, name, None)
+            found = dtype if isinstance(dtype, torch.dtype) else None
+        if found is None:
+            from smp.checkpoints import CheckpointError
+
+            raise CheckpointError(
+                f"refused the global {module}.{name}: DCP's metadata holds only its own classes "
+                "(smp loads no code from a checkpoint); this file was not written by "
+                "smp.save_checkpoint"
+            )
+        return found
+
+
 class _Reader(dcp.FileSystemReader):
     """DCP's file-system reader that checks each item's bytes against the CRC-32C the manifest
     recorded for that range as it reads them (so a checkpoint is verified in the same pass
-    that loads it), then deserializes them as DCP's own reader does."""
+    that loads it), then deserializes them as DCP's own reader does; the ``.metadata`` file
+    through :class:`_MetadataUnpickler` (DCP's own reader uses plain pickle)."""
 
     def __init__(self, path: Path, ranges: dict[str, dict[int, tuple[int, int]]]):
         super().__init__(path)
         self._ranges = ranges  # file -> {offset: (length, crc32c)}
+        # Why .metadata was refused (DCP reports a failed read_metadata as "metadata is None").
+        self.metadata_error: Exception | None = None
+
+    def read_metadata(self) -> Metadata:  # no rank=: smp writes one global .metadata
+        from smp.checkpoints import CheckpointError
+
+        path = Path(self.path) / ".metadata"
+        with open(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except CheckpointError as exc:
+                self.metadata_error = CheckpointError(f"{path}: {exc}")
+                raise self.metadata_error from None
+        if not isinstance(metadata, Metadata):
+            self.metadata_error = CheckpointError(
+                f"{path} holds a {type(metadata).__name__}, not DCP's Metadata"
+            )
+            raise self.metadata_error
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = _metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def read_data(self, plan, planner):
         from smp import _C

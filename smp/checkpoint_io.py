@@ -7,15 +7,21 @@ part, e.g. its ``local_state_dict()``. ``partial=False`` writes and reads ``f`` 
 full ``state_dict()`` that every layout (and plain torch) can load. Saving is the caller's
 choice of ranks, as in v1 (typically ``smp.dp_rank() == 0``).
 
-Every write lands atomically: the object goes to a temporary file beside the target, which is
-flushed to disk and then renamed over it, so a process killed mid-write leaves the previous file
-whole (and at most a temporary file, which the next save of that name removes).
+Every write lands atomically: the object goes to a temporary file of its own beside the target
+(a unique name per writer, so several processes saving the same name at once each write whole
+files and the last rename wins), which is flushed to disk and then renamed over it, and the
+directory is flushed too, so a process killed mid-write leaves the previous file whole (and at
+most its temporary file, which the next save of that name on the same host removes).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import pickle
+import secrets
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -63,19 +69,74 @@ def save(
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Calls ``write(file)`` on a temporary file beside ``path``, flushes it to disk and renames
-    it over ``path``: a process killed midway leaves the previous ``path`` whole (and at most
-    the temporary file, which the next write of that name replaces); a failure removes it."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Calls ``write(file)`` on a new temporary file beside ``path``, flushes it to disk, renames
+    it over ``path`` and flushes the directory: a process killed midway leaves the previous
+    ``path`` whole (and at most its temporary file, which a later write of that name on this
+    host removes); a failure removes it.
+
+    Every call writes a file of its own (``.<name>.tmp-<pid>-<random>@<host hash>``, created
+    with ``O_EXCL``), so concurrent writers of one ``path`` never share bytes: each rename puts a
+    whole file in place and the last one wins.
+    """
+    _remove_stale(path)
+    while True:
+        tmp = path.with_name(f"{_tmp_prefix(path)}{os.getpid()}-{secrets.token_hex(6)}@{_HOST}")
+        try:  # O_EXCL: never another writer's file; 0o666 & ~umask, as open(path, "wb") would
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:  # pragma: no cover - 48 random bits collided
+            continue
     try:
-        with open(tmp, "wb") as out:
+        with os.fdopen(fd, "wb") as out:
             write(out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
+        fsync_directory(path.parent)  # the rename itself survives a crash
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# This host, short (a temporary name must stay within the 255 bytes of a file name).
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _tmp_prefix(path: Path) -> str:
+    return f".{path.name}.tmp-"
+
+
+def fsync_directory(path: Path) -> None:
+    """Flushes a directory's entries (a rename or a new file in it) to disk (where the file
+    system can: some FUSE mounts refuse to sync a directory, and there is nothing more to do)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(path: Path) -> None:
+    """Removes the temporary files of earlier writes of ``path`` by processes of this host that
+    no longer exist (killed mid-write); another host's, or a live process's, are left alone."""
+    prefix = _tmp_prefix(path)
+    try:
+        names = [n for n in os.listdir(path.parent) if n.startswith(prefix)]
+    except OSError:
+        return  # a missing directory: the open below says so
+    for name in names:
+        pid, _, rest = name[len(prefix) :].partition("-")
+        if rest.rpartition("@")[2] != _HOST or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its writer is gone
+            (path.parent / name).unlink(missing_ok=True)
+        except OSError:  # alive (another user's) or unknowable: leave it
+            pass
 
 
 def load(
@@ -88,8 +149,11 @@ def load(
 ) -> Any:
     """Loads what :func:`save` wrote to ``f`` (``partial=True``: this rank's own file).
 
-    Like ``torch.load(weights_only=False)`` by default, as v1 did, so any saved object comes back:
-    load only files you trust (``weights_only=True`` restricts it to tensors and plain types).
+    Like ``torch.load(weights_only=False)`` by default, as v1 did, so any saved object comes back
+    (kept for v1's scripts, which save objects of their own): such a file can run code when it
+    loads, so load only files you trust, or pass ``weights_only=True`` (tensors and plain types,
+    plus what ``torch.serialization.add_safe_globals`` allows). ``smp.resume_from_checkpoint``
+    loads with ``weights_only=True``.
 
     Raises:
         FileNotFoundError: the file is missing; for a partial load the message says which

@@ -22,8 +22,22 @@ DCP's data files), written last.
 Fault safety: a save writes into ``path/.<tag>.tmp-<id>``; once every rank's files are on
 disk (fsync'd) rank 0 writes the manifest, renames the directory to ``path/tag`` (an older
 ``path/tag`` is moved aside first and removed only after) and then replaces ``path/newest``
-atomically. A process killed at any point leaves the previous checkpoints and ``newest``
-whole; the next save removes the leftovers. Loading checks the manifest, every file's size and
+atomically; the parent directory is fsync'd after every rename. A process killed at any point
+leaves the previous checkpoints and ``newest`` whole; the next save removes the leftovers. The
+manifest numbers the saves in ``path`` (``sequence``), and ``num_kept_partial_checkpoints``
+keeps the highest numbers: the order does not depend on the clock.
+
+Trust: loading runs no code from the checkpoint. ``rng.pt``, ``optimizer.pt`` and
+``user_content.pt`` are read with ``torch.load(weights_only=True)`` (tensors and plain Python
+values), DCP's ``.metadata`` with an unpickler that takes only DCP's metadata classes, and its
+byte items (hyperparameters, the loss scale) with ``weights_only=True``; a user type in
+``user_content`` must be allowed with ``torch.serialization.add_safe_globals``
+(:class:`CheckpointError` names it otherwise).
+
+The optimizer may be created before or after ``resume_from_checkpoint``: when no
+DistributedOptimizer exists yet as the state loads, the checkpoint's optimizer state is held and
+loaded into the first DistributedOptimizer created over the model (:class:`_HeldOptimizerState`).
+Loading checks the manifest, every file's size and
 the small files' checksums first, and each data item's checksum as DCP reads it; a problem
 fails on every rank with :class:`CheckpointError` naming the file and what is wrong.
 """
@@ -33,6 +47,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import time
@@ -44,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp.checkpoint_io import write_atomically
+from smp.checkpoint_io import fsync_directory, write_atomically
 from smp.state import get_state
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "CheckpointError"]
@@ -225,17 +240,38 @@ def _crc(f, count: int) -> int:
     return crc
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _torch_save(path: Path, obj: Any) -> dict[str, int]:
     write_atomically(path, lambda f: torch.save(obj, f))
     return _digest(path)
+
+
+def _load_plain(source: Any, what: str, **kwargs: Any) -> Any:
+    """``torch.load(source, weights_only=True)``: tensors and plain Python values, no code run
+    from the checkpoint (one from a shared bucket may have been written by anyone). Types the
+    user allowed with ``torch.serialization.add_safe_globals`` load too.
+
+    Raises:
+        CheckpointError: the file holds other globals; the message names them and how to allow
+            them.
+    """
+    try:
+        return torch.load(source, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as exc:
+        try:
+            if hasattr(source, "seek"):
+                source.seek(0)
+            refused = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+        except Exception:  # noqa: BLE001 - the message below still says what was refused
+            refused = []
+        names = ", ".join(refused) or str(exc).strip().splitlines()[-1]
+        raise CheckpointError(
+            f"{what} holds {names}, which smp does not load: checkpoints are read with "
+            "torch.load(weights_only=True) so that a checkpoint cannot run code. If you trust "
+            "this checkpoint, allow the type(s) first: torch.serialization.add_safe_globals(["
+            f"{', '.join(name.rpartition('.')[2] for name in refused) or '...'}]) (or resume "
+            "inside torch.serialization.safe_globals([...])); or keep only tensors and plain "
+            "Python values (dict, list, tuple, str, int, float, bool, None) in user_content"
+        ) from exc
 
 
 # ---- agreement -----------------------------------------------------------------------------------
@@ -387,7 +423,9 @@ def save_checkpoint(
     started = time.perf_counter()
 
     def prepare() -> str:
-        root.mkdir(parents=True, exist_ok=True)
+        if not root.is_dir():
+            root.mkdir(parents=True, exist_ok=True)
+            fsync_directory(root.absolute().parent)  # the new directory's entry survives a crash
         name = f".{tag}.tmp-{uuid.uuid4().hex[:12]}"
         (root / name).mkdir()
         return name
@@ -416,20 +454,22 @@ def save_checkpoint(
             "tag": tag,
             "partial": bool(partial),
             "layout": _layout(state),
-            "saved_at": time.time(),
+            # The saves' order in this directory, for pruning: a clock may step back.
+            "sequence": 1 + max((_sequence(m) for _, m in _checkpoints(root)), default=0),
+            "saved_at": time.time(),  # informational only
             "files": dict(sorted(files.items())),
         }
+        # write_atomically fsyncs the file and its directory (tmp) after the rename.
         write_atomically(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        _fsync_dir(tmp)
         final = root / tag
         aside = None
         if final.exists():
             aside = root / f".{tag}.replaced-{tmp.name.rpartition('-')[2]}"
             os.rename(final, aside)
+            fsync_directory(root)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_directory(root)  # the checkpoint is in place before newest names it
         write_atomically(root / NEWEST, lambda f: f.write(tag.encode()))
-        _fsync_dir(root)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
         _remove_leftovers(root)
@@ -505,15 +545,31 @@ def _remove_leftovers(root: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _prune(root: Path, keep: int) -> None:
+def _checkpoints(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The complete checkpoints in ``root`` (directories with a manifest) and their manifests."""
     found = []
     for entry in root.iterdir():
         if entry.is_dir() and not entry.name.startswith("."):
             manifest = _complete(entry)
             if manifest is not None:
-                found.append((manifest["saved_at"], entry))
-    found.sort()
-    for _, entry in found[: max(0, len(found) - keep)]:
+                found.append((entry, manifest))
+    return found
+
+
+def _sequence(manifest: dict[str, Any]) -> int:
+    """A save's number in its directory (0: saved before smp numbered them)."""
+    value = manifest.get("sequence", 0)
+    return value if isinstance(value, int) else 0
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Deletes all but the ``keep`` newest complete checkpoints, newest by the manifests'
+    ``sequence`` (the save order smp records), not by a clock; unnumbered ones (older smp) are
+    older than any numbered one and ordered among themselves by ``saved_at``."""
+    found = sorted(
+        (_sequence(m), m.get("saved_at", 0.0), entry.name, entry) for entry, m in _checkpoints(root)
+    )
+    for *_, entry in found[: max(0, len(found) - keep)]:
         shutil.rmtree(entry, ignore_errors=True)
         logger.info("smp: removed checkpoint %s (num_kept_partial_checkpoints=%d)", entry, keep)
 
@@ -539,9 +595,17 @@ def resume_from_checkpoint(
     The checkpoint may come from another (pp, tp, dp) layout (``partial=True`` and ``False``
     alike); random states are restored only on the layout that saved them.
 
+    The DistributedOptimizer may be created before or after this call: if none exists over
+    the model when the state loads, the optimizer state is held and loaded into the first one
+    created (a collective then: every rank creates it, as usual). Nothing in the checkpoint
+    runs code: its files are read with ``torch.load(weights_only=True)``; a ``user_content``
+    holding a type of your own needs ``torch.serialization.add_safe_globals([YourType])``.
+
     Args:
         strict: every model key must be in the checkpoint and every checkpoint key in the model.
-        load_optimizer: also load the optimizer's state (and the fp16 loss scale).
+        load_optimizer: also load the optimizer's state (and the fp16 loss scale). False
+            leaves the optimizer's state as it is, or, before the optimizer exists, as it will
+            be: fresh, or what an earlier resume held for it.
         load_sharded_optimizer_state: SMP v1's; changes nothing: optimizer state is stored
             by parameter name whichever rank held it (with ``shard_optimizer_state`` each rank
             wrote and loads the parameters it owns), so any rdp degree loads it.
@@ -551,7 +615,8 @@ def resume_from_checkpoint(
 
     Raises:
         CheckpointError: no such checkpoint, an incomplete one, a missing, truncated or
-            corrupted file, or a state that does not match the model (on every rank).
+            corrupted file, a state that does not match the model (on every rank), or a file
+            holding a type ``torch.load(weights_only=True)`` does not load (named).
     """
     state = get_state()
     if state.in_step:
@@ -581,18 +646,27 @@ def resume_from_checkpoint(
 
     user_content = None
     if "user_content.pt" in manifest["files"]:
-        user_content = torch.load(directory / "user_content.pt", weights_only=False)
+        file = directory / "user_content.pt"
+        user_content = _load_plain(file, f"{file} (the user_content saved)")
     model = _the_model(None, state)
-    optimizer = _optimizer_of(model, state) if load_optimizer else None
     same_layout = manifest["layout"] == _layout(state)
 
     def load() -> None:
+        # Looked up now, not at the call: the optimizer may be created after it (before the
+        # first step), and a deferred load runs at that step.
+        optimizer = _optimizer_of(model, state) if load_optimizer else None
         if manifest["partial"]:
             _load_partial(directory, manifest["files"], model, optimizer, strict, state)
         else:
             _load_full(directory, manifest, model, optimizer, strict, translate_function)
+        if load_optimizer:  # replaces what an earlier resume held, as it replaces a live state
+            held = (
+                None if optimizer is not None else _HeldOptimizerState(directory, manifest, strict)
+            )
+            model._smp_held_optimizer_state = held
         if same_layout:
-            rngs = torch.load(directory / "rng.pt", weights_only=False)
+            file = directory / "rng.pt"
+            rngs = _load_plain(file, f"{file} (the random states)")
             _set_rng_state(rngs[state.rank])
         elif state.rank == 0:
             logger.info(
@@ -674,7 +748,53 @@ def _verify(directory: Path, manifest: dict, state) -> None:
         raise CheckpointError(f"checkpoint {directory}: {every[0]}{more}")
 
 
-def _load_partial(directory: Path, files: dict, model, optimizer, strict: bool, state) -> None:
+class _HeldOptimizerState:
+    """The optimizer part of a checkpoint whose model state loaded while no DistributedOptimizer
+    existed over the model: loaded into the first one created
+    (``DistributedOptimizer._take_held_state``), exactly as it would have loaded with the model."""
+
+    def __init__(self, directory: Path, manifest: dict[str, Any], strict: bool):
+        self.directory, self.manifest, self.strict = directory, manifest, strict
+
+    def untaken(self) -> CheckpointError:
+        """The error of a training step that runs while no optimizer took this state (the
+        model's ``backward`` raises it, on every rank, before any gradient exists)."""
+        return CheckpointError(
+            f"checkpoint {self.directory} holds optimizer state, and the model is training with "
+            "no smp.DistributedOptimizer having taken it (an optimizer smp does not wrap would "
+            "start afresh, silently). Create smp.DistributedOptimizer(...) over the model before "
+            "the first training step (before or after resume_from_checkpoint), or resume with "
+            "load_optimizer=False to start the optimizer afresh"
+        )
+
+    def load_into(self, model, optimizer) -> None:
+        """Loads the held state into ``optimizer`` (called by it as it is created, on every
+        rank: ``DistributedOptimizer._take_held_state``)."""
+        state = get_state()
+        if self.manifest["partial"]:
+            files = self.manifest["files"]
+            _load_partial(self.directory, files, model, optimizer, self.strict, state, False)
+        else:
+            _load_full_optimizer(self.directory, self.manifest, optimizer)
+        if state.rank == 0:
+            logger.info(
+                "smp: optimizer state of %s loaded into the optimizer created after "
+                "resume_from_checkpoint",
+                self.directory,
+            )
+
+
+def _load_partial(
+    directory: Path,
+    files: dict,
+    model,
+    optimizer,
+    strict: bool,
+    state,
+    with_model: bool = True,
+) -> None:
+    """Loads the model's (unless ``with_model`` is False) and the optimizer's state (unless
+    ``optimizer`` is None) from a partial checkpoint; a collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -682,7 +802,7 @@ def _load_partial(directory: Path, files: dict, model, optimizer, strict: bool, 
 
     failure: BaseException | None = None
     try:
-        targets = _model_entries(model, state)
+        targets = _model_entries(model, state) if with_model else {}
         if optimizer is not None:
             _materialize_optimizer_state(model, optimizer)
             targets.update(_optimizer_entries(model, optimizer, state))
@@ -723,14 +843,14 @@ def _load_partial(directory: Path, files: dict, model, optimizer, strict: bool, 
         for name, digest in files.items()
         if "ranges" in digest
     }
+    reader = _Reader(directory, ranges)
     try:
         dcp.load(
-            targets,
-            storage_reader=_Reader(directory, ranges),
-            planner=planner,
-            process_group=state.groups["world"],
+            targets, storage_reader=reader, planner=planner, process_group=state.groups["world"]
         )
     except dcp.CheckpointException as exc:
+        if reader.metadata_error is not None:  # every rank reads the same .metadata
+            raise CheckpointError(str(reader.metadata_error)) from exc
         rank, error = min(exc.failures.items(), key=lambda item: item[0])
         if isinstance(error, CheckpointError):
             raise CheckpointError(str(error)) from exc
@@ -747,7 +867,8 @@ def _load_partial(directory: Path, files: dict, model, optimizer, strict: bool, 
     for name, p in _stateful_params(model, optimizer) if optimizer is not None else ():
         if f"optim/{name}/{MASTER_KEY}" in loaded:
             held.add(id(optimizer.model_parameter(p)))
-    model._refresh_masters(except_for=held)
+    if with_model:
+        model._refresh_masters(except_for=held)
     if optimizer is None:
         return
     for name, p in _owned_optimizer_params(model, optimizer):
@@ -774,9 +895,16 @@ def _load_groups(optimizer, saved: list[dict], directory: Path) -> None:
 
 
 def _load_full(directory: Path, manifest: dict, model, optimizer, strict: bool, translate) -> None:
-    full = torch.load(directory / "model.pt", map_location="cpu", weights_only=True)
+    file = directory / "model.pt"
+    full = _load_plain(file, f"{file} (the model state)", map_location="cpu")
     if translate is not None:
         full = translate(full)
     model.load_state_dict(full, strict=strict)
-    if optimizer is not None and "optimizer.pt" in manifest["files"]:
-        optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=False))
+    if optimizer is not None:
+        _load_full_optimizer(directory, manifest, optimizer)
+
+
+def _load_full_optimizer(directory: Path, manifest: dict, optimizer) -> None:
+    if "optimizer.pt" in manifest["files"]:
+        file = directory / "optimizer.pt"
+        optimizer.load_state_dict(_load_plain(file, f"{file} (the optimizer state)"))

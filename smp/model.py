@@ -229,6 +229,9 @@ class DistributedModel(nn.Module):
                 "function; pass it in (e.g. `def train_step(model, x, y)` called as "
                 "`train_step(model, x, y)`) so that smp reduces its gradients after the step"
             )
+        held = getattr(self, "_smp_held_optimizer_state", None)
+        if held is not None:  # a training step whose optimizer would start without its state
+            raise held.untaken()
         scale = getattr(state, "loss_scale", 1.0) if state.config.fp16 else 1.0
         if scale != 1.0:  # fp16: the loss scale (smp.DistributedOptimizer unscales)
             if grad_tensors is None:

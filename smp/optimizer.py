@@ -178,6 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             optimizer._smp_scaler = LossScaler(static_loss_scale, dynamic_loss_scale, args)
             state.loss_scale = optimizer._smp_scaler.scale
         state.optimizers.append(optimizer)
+        optimizer._take_held_state()  # a resume before this optimizer existed
         return optimizer
 
     def __init__(self, optimizer: torch.optim.Optimizer | None = None, *args: Any, **kwargs: Any):
@@ -269,6 +270,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if any(id(p) in mine for p in model.parameters()):
                 return model
         return None
+
+    def _take_held_state(self) -> None:
+        """Loads the optimizer state that ``smp.resume_from_checkpoint`` held on this
+        optimizer's model because no DistributedOptimizer existed over it yet (a collective for
+        a partial checkpoint; every rank creates its optimizer). The checkpoint code leaves the
+        held state on the model as an object with ``load_into(model, optimizer)``, so this layer
+        needs nothing from it."""
+        model = self._model()
+        held = getattr(model, "_smp_held_optimizer_state", None)
+        if held is not None:
+            model._smp_held_optimizer_state = None
+            held.load_into(model, self)
 
     def _partitioned(self) -> bool:
         model = self._model()
