@@ -23,8 +23,9 @@ from smp.config import Config
 from smp.delayed import delay_param_initialization
 from smp.model import DistributedModel
 from smp.nn.region import DivergentArgumentsError
-from smp.optimizer import DistributedOptimizer
+from smp.optimizer import DistributedOptimizer, MasterGradientsChangedError
 from smp.partitioning import PartitionPlan, is_tracing, partition, plan_partition, set_partition
+from smp.pipeline.messages import WriteBackError
 from smp.state import init, is_initialized, shutdown
 from smp.step import StepFailedError, StepOutput, microbatch, num_microbatches, step
 from smp.tensor_parallel import (
@@ -55,6 +56,8 @@ __all__ = [
     "StepOutput",
     "StepFailedError",
     "DivergentArgumentsError",
+    "WriteBackError",
+    "MasterGradientsChangedError",
     "microbatch",
     "num_microbatches",
     "last_step_timeline",
