@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from smp import sharded
+from smp import amp, sharded
 from smp.model import PARTIAL_KEY
 from smp.state import get_state
 
@@ -201,6 +202,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer.step() must be called after the @smp.step function returns, not "
                 "inside it"
             )
+        self._refuse_torch_scaler(state)
         self._sync_master_grads()
         self._smp_synced = False
         scaler = getattr(self, "_smp_scaler", None)
@@ -270,6 +272,44 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if any(id(p) in mine for p in model.parameters()):
                 return model
         return None
+
+    def _refuse_torch_scaler(self, state) -> None:
+        """Raises if torch's own ``GradScaler`` (not ``smp.amp.GradScaler``) is stepping this
+        optimizer where it cannot be exact: with float32 masters (it unscaled and checked the
+        optimizer's parameters before the masters had this step's gradients, so the step
+        would apply scaled gradients) or with pipeline / tensor parallelism (each rank decides
+        to skip from its own gradients, so ranks could skip different steps). The scaler is
+        found as the ``self`` of a caller a few frames up (its ``step`` or ``_maybe_opt_step``;
+        torch wraps this ``step`` once in a profiling hook): a check, not a mechanism, so a
+        torch that calls it otherwise only goes unchecked."""
+        frame = sys._getframe(2)
+        for _ in range(4):
+            if frame is None:
+                return
+            caller = frame.f_locals.get("self") if frame.f_code.co_name in _SCALER_STEPS else None
+            if isinstance(caller, torch.amp.GradScaler):
+                break
+            frame = frame.f_back
+        else:
+            return
+        if isinstance(caller, amp.GradScaler) or not caller.is_enabled():
+            return
+        masters = bool(getattr(self, "_smp_masters", None))
+        split = state.axis_size("pp") * state.axis_size("tp") > 1
+        if masters or split:
+            why = (
+                "it unscales and checks the optimizer's float32 master weights before they "
+                "hold this step's gradients, so the step would apply scaled gradients"
+                if masters
+                else "each rank decides from its own gradients whether to skip the step, and "
+                "pipeline stages and tensor-parallel ranks hold different gradients"
+            )
+            raise ValueError(
+                f"smp.DistributedOptimizer is stepped by {type(caller).__module__}."
+                f"{type(caller).__qualname__}, which cannot be exact here: {why}. Use "
+                "smp.amp.GradScaler (the same API, with the overflow decision agreed by every "
+                "rank and the masters' gradients taken first)"
+            )
 
     def _take_held_state(self) -> None:
         """Loads the optimizer state that ``smp.resume_from_checkpoint`` held on this
@@ -689,6 +729,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+# The functions of torch's GradScaler that call optimizer.step().
+_SCALER_STEPS = frozenset({"step", "_maybe_opt_step"})
 
 
 class MasterGradientsChangedError(RuntimeError):

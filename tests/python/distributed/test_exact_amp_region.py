@@ -13,7 +13,9 @@ float16 as the data-parallel reduction does, copied to float32 masters, then tor
 the masters' gradients, the masters and the parameters after each step, and the scale. A first
 step with a huge scale overflows, is skipped on every rank, and lowers the scale as torch's
 does. Clipping the model's float16 gradients after ``unscale_`` (which the masters would not
-see) raises a named error on every rank before the step.
+see) raises a named error on every rank before the step. torch's own ``GradScaler`` is refused
+where it cannot be exact (float32 masters, tensor parallelism) and allowed where it is (a
+float32 model, data parallel only).
 
 Agreement: TP ranks that pass a region values that differ — a ``Fraction``, a ``numpy.float32``,
 a dict with tuple keys, each ``1 + rank`` — run each rank's arguments in turn (each rank's
@@ -177,6 +179,59 @@ def test_clipping_the_float16_gradients_after_unscale_raises(pools):
         assert "optimizer.clip_grad_norm_" in result.get("error", ""), result
         assert "torch.nn.utils.clip_grad_norm_" in result["error"], result
         assert result["unchanged"], result
+
+
+class _Half(nn.Module):
+    def forward(self, x):
+        return x.half()
+
+
+def _torch_scaler_worker(layout: str) -> dict:
+    """torch's own GradScaler (not smp's) stepping a DistributedOptimizer: "mixed" (a float16
+    model with a float32 layer at dp 2: torch unscales the float32 layer's gradients only, the
+    masters get the scaled ones), "tp2" (a float32 model, tensor parallel: each rank would
+    decide alone whether to skip), "dp2" (a float32 model, data parallel only: exact, allowed).
+    (Under pipeline parallelism torch's scaler fails by itself on the stages that do not run
+    the step function: it never scaled there.)"""
+    import smp
+
+    smp.init({"tensor_parallel_degree": 2} if layout == "tp2" else {})
+    torch.manual_seed(0)
+    if layout == "mixed":  # the first layer float32, the second float16
+        module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), _Half(), nn.Linear(16, 4).half())
+    else:
+        with smp.tensor_parallelism(layout == "tp2"):
+            module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.mse_loss(model(x).float(), y)
+        model.backward(scaler.scale(loss))
+        return loss
+
+    x, y = _batch(0, smp.dp_rank())
+    train_step(model, x.float(), y)
+    before = [p.detach().clone() for p in model.local_parameters()]
+    try:
+        scaler.step(optimizer)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    changed = any(not torch.equal(p, b) for p, b in zip(model.local_parameters(), before))
+    return {"error": error, "changed": changed}
+
+
+@pytest.mark.parametrize("layout", ["mixed", "tp2", "dp2"])
+def test_torch_grad_scaler_is_refused_where_it_cannot_be_exact(pools, layout):
+    for result in pools.run(2, _torch_scaler_worker, layout, timeout_s=120):
+        if layout == "dp2":
+            assert result == {"error": None, "changed": True}, result
+        else:
+            assert "Use smp.amp.GradScaler" in (result["error"] or ""), result
+            assert not result["changed"], result
 
 
 # ---- TP agreement on values that are not plain --------------------------------------------------
