@@ -1,4 +1,4 @@
-"""No silent wrong numbers (issue 44): ``smp.amp.GradScaler`` with a float16 model, the TP
+"""No silent wrong numbers: ``smp.amp.GradScaler`` with a float16 model, the TP
 agreement on arguments that are not plain values, and the glibc mmap threshold of delayed
 parameter initialisation.
 

@@ -1,4 +1,4 @@
-"""Issue 44's checkpoint cases: no silent wrong numbers, no lost or corrupted files, no code run
+"""Checkpoints: no silent wrong numbers, no lost or corrupted files, no code run
 from a checkpoint.
 
 - Order: the DistributedOptimizer created before or after ``smp.resume_from_checkpoint``, from a
@@ -71,7 +71,7 @@ def _outcome(model, optimizer, losses):
     return losses, params, steps
 
 
-# ---- case 1: the optimizer created before or after resume_from_checkpoint ---------------------
+# ---- the optimizer created before or after resume_from_checkpoint -----------------------------
 
 
 def _resumed(smp, train_step, directory: str, tag: str, order: str, **options):
@@ -145,7 +145,7 @@ def test_resume_is_exact_whether_the_optimizer_is_created_before_or_after(pools,
         assert got["untaken"] is not None and "holds optimizer state" in got["untaken"]
 
 
-# ---- case 7: several writers of one file name ---------------------------------------------------
+# ---- several writers of one file name -----------------------------------------------------------
 
 
 def _payload(rank: int) -> dict:

@@ -1,4 +1,4 @@
-"""Issue 44, pipeline runtime: what a module on another stage does to its arguments reaches
+"""Pipeline runtime: what a module on another stage does to its arguments reaches
 the caller as in one process, or the step fails on every rank (design.md §4i).
 
 - A container argument changed by a module on stage 1 (a deque, bytearray, set, dict subclass,
@@ -126,7 +126,7 @@ def _containers_worker(kinds: tuple) -> dict:
 
 
 def test_containers_a_remote_module_changes_come_back_as_in_one_process(pools):
-    """Case 3: a deque or bytearray that a stage-1 module appends to came back empty (lengths
+    """A deque or bytearray that a stage-1 module appends to came back empty (lengths
     0 and 0 where one process sees 2 and 4; a list came back right). Every container type whose
     items can be assigned now comes back with what the module put in it: the loss and every
     gradient match one process for two steps (the second with asynchronous calls)."""
@@ -232,7 +232,7 @@ def _in_place_eval_worker(mode: str) -> list:
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_argument_tensors_changed_in_place_on_another_stage_come_back_in_evaluation(pools, mode):
-    """Case 6: a stage-1 module that changes an argument tensor in place in an evaluation step
+    """A stage-1 module that changes an argument tensor in place in an evaluation step
     (a running statistic; ReLU(inplace=True) on a stage-0 tensor and on an output of stage 1
     passed by reference) left the caller's tensor as it was, and the output differed silently.
     The change now reaches the caller's tensor: outputs match one process. Under

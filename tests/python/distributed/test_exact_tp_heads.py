@@ -1,4 +1,4 @@
-"""Issue 44, cases 5, 8, 9 and 10: tensor parallelism of unmodified Hugging Face causal LMs
+"""Tensor parallelism of unmodified Hugging Face causal LMs
 whose head, loss call, embedding or projections are not the common form matches one process.
 
 - A pruned head (Apertus' ``output_vocab_size`` < ``vocab_size``): the vocab-parallel loss
@@ -102,7 +102,7 @@ def _parity_worker(kind: str, tp: int, pp: int, microbatches: int, mark: str = "
 
 @pytest.mark.parametrize("mark", ["whole", "head"])
 def test_pruned_head_tp2(pools, mark):
-    """Case 5: the head is 48 wide, the vocabulary 64; the loss splits by 48 as the head."""
+    """The head is 48 wide, the vocabulary 64; the loss splits by 48 as the head."""
     results = pools.run(2, _parity_worker, "apertus", 2, 1, 1, mark)
     assert all(r["losses"] == results[0]["losses"] for r in results)
     assert "lm_head" in results[0]["split"], results[0]["split"]
@@ -110,14 +110,14 @@ def test_pruned_head_tp2(pools, mark):
 
 @pytest.mark.parametrize("pp", [1, 2])
 def test_vocab_size_by_position_mixtral(pools, pp):
-    """Case 8: ``self.loss_function(logits, labels, self.vocab_size, **kwargs)``."""
+    """``self.loss_function(logits, labels, self.vocab_size, **kwargs)``."""
     results = pools.run(2 * pp, _parity_worker, "mixtral", 2, pp, pp)
     assert all(r["losses"] == results[0]["losses"] for r in results)
     assert "lm_head" in results[0]["split"], results[0]["split"]
 
 
 def test_gemma_scaled_tied_embedding_tp2(pools):
-    """Case 9: Gemma's tied embedding multiplies its rows by sqrt(hidden) in its own forward;
+    """Gemma's tied embedding multiplies its rows by sqrt(hidden) in its own forward;
     split with the head, it keeps that forward (still a GemmaTextScaledWordEmbedding)."""
     results = pools.run(2, _parity_worker, "gemma", 2, 1, 1)
     first = results[0]
@@ -128,7 +128,7 @@ def test_gemma_scaled_tied_embedding_tp2(pools):
 
 
 def test_falcon_linear_split_tp2(pools):
-    """Case 10: FalconLinear computes ``input @ weight.T + bias``: its projections are split
+    """FalconLinear computes ``input @ weight.T + bias``: its projections are split
     like nn.Linear's, so each rank holds well under the whole model, and no module of a
     registered kind is left whole (no warning)."""
     results = pools.run(2, _parity_worker, "falcon", 2, 1, 1)
@@ -228,7 +228,7 @@ def _kept_whole_worker(kind: str):
 
 
 def test_linear_subclass_of_another_function_stays_whole_named(pools):
-    """Case 10's other half: a Linear subclass that computes something else stays whole, and
+    """A Linear subclass that computes something else stays whole, and
     one warning on every rank names it and its bytes; the rest is split; one process's
     numbers."""
     for said, split in pools.run(2, _kept_whole_worker, "net"):
@@ -240,7 +240,7 @@ def test_linear_subclass_of_another_function_stays_whole_named(pools):
 
 
 def test_tied_embedding_reading_its_weight_stays_whole(pools):
-    """Case 9's refusal: a tied embedding whose forward looks its rows up by hand cannot run
+    """A tied embedding whose forward looks its rows up by hand cannot run
     on a shard; the head path says why, the pair stays whole, the numbers are one process's."""
     for said, split in pools.run(2, _kept_whole_worker, "llama"):
         assert "lm_head" not in split and "model.embed_tokens" not in split, split
@@ -278,7 +278,7 @@ def test_keeps_lookup():
 
 
 def test_loss_binds_by_the_signature(single_process_smp):
-    """Case 8 at its root: every way ``ForCausalLMLoss``'s signature lets a model pass its
+    """Every way ``ForCausalLMLoss``'s signature lets a model pass its
     arguments gives Hugging Face's value; a vocabulary size other than the head's raises."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 

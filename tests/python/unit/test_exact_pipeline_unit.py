@@ -1,4 +1,4 @@
-"""``messages.assign`` (issue 44, case 3): the caller's argument takes the state a module on
+"""``messages.assign``: the caller's argument takes the state a module on
 another stage left in its copy, for every type whose state can be assigned in place, and a
 type whose state cannot be is refused by name, never dropped (design.md §4i)."""
 
