@@ -660,9 +660,9 @@ def resume_from_checkpoint(
         else:
             _load_full(directory, manifest, model, optimizer, strict, translate_function)
         if load_optimizer:  # replaces what an earlier resume held, as it replaces a live state
-            held = (
-                None if optimizer is not None else _HeldOptimizerState(directory, manifest, strict)
-            )
+            held = None
+            if optimizer is None and _holds_optimizer_state(directory, manifest):
+                held = _HeldOptimizerState(directory, manifest, strict)
             model._smp_held_optimizer_state = held
         if same_layout:
             file = directory / "rng.pt"
@@ -746,6 +746,18 @@ def _verify(directory: Path, manifest: dict, state) -> None:
     if every:
         more = f" (and {len(every) - 1} more)" if len(every) > 1 else ""
         raise CheckpointError(f"checkpoint {directory}: {every[0]}{more}")
+
+
+def _holds_optimizer_state(directory: Path, manifest: dict[str, Any]) -> bool:
+    """Whether the checkpoint has optimizer state (one saved while no DistributedOptimizer
+    existed has none): ``optimizer.pt`` in a full one, ``optim/`` items in a partial one's DCP
+    metadata."""
+    if not manifest["partial"]:
+        return "optimizer.pt" in manifest["files"]
+    from smp._dcp import _Reader
+
+    saved = _Reader(directory, {}).read_metadata().state_dict_metadata
+    return any(key.startswith("optim/") for key in saved)
 
 
 class _HeldOptimizerState:

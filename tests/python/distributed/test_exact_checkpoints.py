@@ -110,6 +110,22 @@ def _order_worker(directory: str, layout: str):
         got[(tag, "not loaded")] = _resumed(
             smp, train_step, directory, tag, "after", load_optimizer=False
         )
+    # A checkpoint saved with no DistributedOptimizer holds no optimizer state: a job resuming
+    # it trains with an optimizer smp does not wrap, and nothing is held or refused.
+    bare = smp.DistributedModel(_gpt(seed=3))
+    train_step(bare, *_my_share(smp, 0))
+    bare_directory = os.path.join(directory, "bare")
+    smp.save_checkpoint(bare_directory, "partial")
+    smp.save_checkpoint(bare_directory, "full", partial=False)
+    for tag in ("partial", "full"):
+        model = smp.DistributedModel(_gpt(seed=7))
+        smp.resume_from_checkpoint(bare_directory, tag=tag, partial=tag == "partial")
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            train_step(model, *_my_share(smp, SAVED))
+            got[(tag, "no optimizer state")] = None
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            got[(tag, "no optimizer state")] = str(exc)
     # No DistributedOptimizer ever takes the state: the training step refuses to run (last: the
     # failed step leaves this job's runtime unusable).
     model = smp.DistributedModel(_gpt(seed=7))
@@ -143,6 +159,8 @@ def test_resume_is_exact_whether_the_optimizer_is_created_before_or_after(pools,
             assert fresh_losses[0] == losses[0], tag  # the model did load
             assert fresh_losses != losses, tag  # and the optimizer state did not
         assert got["untaken"] is not None and "holds optimizer state" in got["untaken"]
+        for tag in ("partial", "full"):
+            assert got[(tag, "no optimizer state")] is None, got[(tag, "no optimizer state")]
 
 
 # ---- several writers of one file name -----------------------------------------------------------
