@@ -83,6 +83,6 @@ class GradScaler(torch.amp.GradScaler):
         try:
             return super().step(optimizer, *args, **kwargs)
         finally:
-            if hasattr(optimizer, "_smp_synced"):
+            if hasattr(optimizer, "_smp_copied_grads"):
                 # A skipped step never reaches optimizer.step(), which would have cleared it.
-                optimizer._smp_synced = False
+                optimizer._smp_copied_grads = None

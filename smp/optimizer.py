@@ -172,7 +172,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, DistributedOptimizer):
             optimizer.__class__ = _distributed_class(type(optimizer))
             optimizer._smp_masters = _master_weights(optimizer)
-        optimizer._smp_synced = False  # this step's gradients copied to the master weights
+        # This step's model gradients as copied to the master weights ((parameter, gradient,
+        # version) each), None until they are: what step, unscaling and clipping read.
+        optimizer._smp_copied_grads = None
         optimizer._smp_scaler = None
         optimizer._smp_unscaled = None  # this step's overflow, once unscaled (clip_grad_norm_)
         if state.config.fp16:
@@ -204,7 +206,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._refuse_torch_scaler(state)
         self._sync_master_grads()
-        self._smp_synced = False
+        self._smp_copied_grads = None
         scaler = getattr(self, "_smp_scaler", None)
         if scaler is None:
             return self._step_and_copy_back(closure)
@@ -424,7 +426,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         masters = getattr(self, "_smp_masters", None)
         if not masters:
             return
-        if self._smp_synced:
+        if self._smp_copied_grads is not None:
             self._check_model_grads_unchanged()
             return
         copied = []
@@ -434,14 +436,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # a change after this copy would be lost, so it raises (no sync, no collective).
             copied.append((param, param.grad, None if param.grad is None else param.grad._version))
         self._smp_copied_grads = copied
-        self._smp_synced = True
 
     def _check_model_grads_unchanged(self) -> None:
         """Raises MasterGradientsChangedError if a low-precision parameter's gradient changed
         since it was copied into its float32 master this step."""
         changed = [
             param
-            for param, grad, version in getattr(self, "_smp_copied_grads", ())
+            for param, grad, version in self._smp_copied_grads
             if param.grad is not grad or (grad is not None and grad._version != version)
         ]
         if not changed:
@@ -483,7 +484,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._smp_synced = False
+        self._smp_copied_grads = None  # and their references: set_to_none frees them
         for _, param in getattr(self, "_smp_masters", {}).values():
             if param.grad is not None:
                 if set_to_none:
