@@ -576,7 +576,7 @@ def _node_at(spec: tuple, path: tuple) -> tuple | None:
     return node
 
 
-def _cannot_run(specs: list[tuple], sent: list[dict] | None = None) -> tuple[str, str] | None:
+def _cannot_run(specs: list[tuple], sent: list[dict]) -> tuple[str, str] | None:
     """(what differs, the fix) if the calls cannot run in turn, else None. It reads only the
     all-gathered specs and which objects each rank sent (``sent``), so every rank decides the
     same."""
@@ -607,7 +607,6 @@ def _cannot_run(specs: list[tuple], sent: list[dict] | None = None) -> tuple[str
             "Run the region under torch.no_grad() on every rank of the group or on none.",
         )
     placed = [{**_placed(s[3], ("args",), {}), **_placed(s[4], ("kwargs",), {})} for s in specs]
-    sent = sent or [{} for _ in specs]
     for j in range(n):
         for r in range(n):
             for path, node in placed[j].items():
@@ -815,13 +814,12 @@ def _run_in_turn(
     mine: _Call,
     specs: list[tuple],
     moves_batch: bool,
-    sent: list[dict] | None = None,
+    sent: list[dict],
 ) -> Any:
     """Runs the region once per TP rank's arguments on every rank (Note [Runs in turn]): rank
     j's run uses rank j's sendable objects (a copy: ``sent[j]``), else this rank's own (its own
     run) or a fork of them."""
     group, rank = module.tp_group, module.tp_rank
-    sent = sent or [{} for _ in specs]
     forks = [None if j == rank else {**_fork(mine.objects), **sent[j]} for j in range(len(specs))]
     outputs = []
     for j, spec in enumerate(specs):
