@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from smp import delayed
@@ -49,6 +48,7 @@ from smp.nn.modules import (
     DistributedModule,
     run_region,
 )
+from smp.nn.subclasses import computes_linear, own_forward
 
 __all__ = [
     "tensor_parallelism",
@@ -146,21 +146,21 @@ def _find_registration(module: nn.Module) -> _Registration | None:
     class in between defines its own ``forward``: the distributed version would replace that
     forward (e.g. OPT's learned positions, an ``nn.Embedding`` that offsets its ids). An
     ``nn.Linear`` whose own forward computes ``nn.Linear``'s function (Falcon's
-    ``FalconLinear``: ``input @ weight.T + bias``; see :func:`computes_linear`) is an
-    ``nn.Linear``."""
+    ``FalconLinear``: ``input @ weight.T + bias``; see
+    :func:`smp.nn.subclasses.computes_linear`) is an ``nn.Linear``."""
     return _lookup(module)[0]
 
 
 def _lookup(module: nn.Module) -> tuple[_Registration | None, str | None]:
     """(:func:`_find_registration`'s answer, why a registered base class was refused: the class
     in between that defines its own ``forward``; None when there is no registered base)."""
-    own: type | None = None
     for klass in type(module).__mro__:
         registration = _registry.get(klass)
         if registration is None:
             convert = _lazy_registry.get(f"{klass.__module__}.{klass.__qualname__}")
             registration = _Registration(convert=convert) if convert is not None else None
         if registration is not None:
+            own = own_forward(module, klass)
             if own is None or (klass is nn.Linear and computes_linear(module)):
                 return registration, None
             return None, (
@@ -168,81 +168,7 @@ def _lookup(module: nn.Module) -> tuple[_Registration | None, str | None]:
                 f"{klass.__name__} would replace"
                 + (" (it does not compute nn.Linear's function)" if klass is nn.Linear else "")
             )
-        if own is None and "forward" in vars(klass):
-            own = klass
     return None, None
-
-
-_linear_verdicts: dict[tuple, bool] = {}
-_MODULE_STATE = frozenset(vars(nn.Module()))  # torch's own bookkeeping (hook dicts, ...)
-
-
-def computes_linear(module: nn.Linear) -> bool:
-    """Whether ``module``, an ``nn.Linear`` whose class defines its own ``forward``, computes
-    ``F.linear(input, weight, bias)``, so that a distributed linear layer replaces it exactly.
-
-    Decided by running that forward, not by reading it: the module must hold nothing but
-    ``weight`` and ``bias`` (no other parameter, buffer or submodule its forward could use),
-    and its forward, given random float64 weights and inputs of two and three dimensions,
-    must return float64 values equal to ``F.linear``'s (to 1e-9; the two only sum in another
-    order). float64 makes a forward that fixes a dtype (an output cast to float32) fail.
-    Random weights (from a generator of its own: torch's are left as they were), not the
-    module's own, which may be zeros or not materialised yet (delayed initialisation). What
-    such a probe cannot see (a forward that depends on the input's values beyond the probe, on
-    training mode, or on state that changes) is the price of deciding this for any class; the
-    alternative, keeping every such subclass whole, left Falcon's every projection whole.
-    One verdict per class, sizes and plain attributes."""
-    if type(module).forward is nn.Linear.forward:
-        return True
-    params = module._parameters
-    if set(params) - {"weight", "bias"} or module._buffers or module._modules:
-        return False
-    plain = (bool, int, float, str, type(None))
-    # By type and value: True and 1 are equal keys, but a forward may tell them apart.
-    attributes = sorted(
-        (k, type(v).__name__, v) for k, v in vars(module).items() if isinstance(v, plain)
-    )
-    others = [
-        k
-        for k, v in vars(module).items()
-        if not isinstance(v, plain) and k not in _MODULE_STATE and not k.startswith("_smp")
-    ]
-    key = (type(module), module.in_features, module.out_features, params.get("bias") is not None,
-           tuple(attributes))  # fmt: skip
-    if not others and key in _linear_verdicts:
-        return _linear_verdicts[key]
-    verdict = _probe_linear(module)
-    if not others:
-        _linear_verdicts[key] = verdict
-    return verdict
-
-
-def _probe_linear(module: nn.Linear) -> bool:
-    g = torch.Generator().manual_seed(0)
-    f64 = torch.float64
-    weight = torch.randn(module.out_features, module.in_features, generator=g, dtype=f64)
-    has_bias = module._parameters.get("bias") is not None
-    bias = torch.randn(module.out_features, generator=g, dtype=f64) if has_bias else None
-    # A copy of the module that shares everything but its parameters.
-    probe = type(module).__new__(type(module))
-    probe.__dict__.update(vars(module))
-    probe.__dict__["_parameters"] = {"weight": weight, "bias": bias}
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        for shape in ((2, module.in_features), (1, 2, module.in_features)):
-            x = torch.randn(*shape, generator=g, dtype=f64)
-            try:
-                out = type(module).forward(probe, x)
-            except Exception:  # noqa: BLE001 - any failure means "not a plain linear map"
-                return False
-            expected = F.linear(x, weight, bias)
-            if not (
-                torch.is_tensor(out)
-                and out.dtype == f64
-                and out.shape == expected.shape
-                and torch.allclose(out, expected, rtol=1e-9, atol=1e-12)
-            ):
-                return False
-    return True
 
 
 # ---- marking ------------------------------------------------------------------------------------
@@ -764,10 +690,13 @@ def _linear_dims(module: nn.Module) -> tuple[int, int, bool]:
             )
         return module.in_features, module.out_features, False
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
-    if conv1d is not None and isinstance(module, conv1d) and module.weight.dim() == 2:
-        own = next((k for k in type(module).__mro__ if k is conv1d or "forward" in vars(k)), None)
-        if own is conv1d:
-            return module.weight.size(0), module.weight.size(1), True
+    if (
+        conv1d is not None
+        and isinstance(module, conv1d)
+        and own_forward(module, conv1d) is None
+        and module.weight.dim() == 2
+    ):
+        return module.weight.size(0), module.weight.size(1), True
     raise _CannotDistribute(f"{type(module).__name__} is not a linear projection")
 
 

@@ -42,6 +42,7 @@ from smp.nn.region import (
     batch_is_shared,
     in_region,
 )
+from smp.nn.subclasses import computes_linear, own_forward, with_parameters
 
 __all__ = ["VocabParallelHead", "causal_lm_loss", "full_logits", "distribute_lm_head"]
 
@@ -266,8 +267,6 @@ def distribute_lm_head(root: nn.Module, group: dist.ProcessGroup) -> tuple[list[
     embedding whose class has its own forward (Gemma's, scaled by sqrt(hidden)) keeps that
     forward when it gets its rows only from ``nn.Embedding``'s (:func:`_keeps_lookup`); such
     classes the generic registry keeps whole, and so does this path when the check fails."""
-    from smp.tensor_parallel import _lookup, computes_linear
-
     get_output = getattr(root, "get_output_embeddings", None)
     if not callable(get_output) or not type(root).__module__.startswith("transformers"):
         return [], None
@@ -283,7 +282,10 @@ def distribute_lm_head(root: nn.Module, group: dist.ProcessGroup) -> tuple[list[
     if head.bias is not None:
         return [], "its bias is not supported by the vocab-parallel head"
     if not computes_linear(head):
-        return [], _lookup(head)[1] or f"its class {type(head).__qualname__} has its own forward"
+        return [], (
+            f"its class {own_forward(head, nn.Linear).__qualname__} defines its own forward, "
+            "which does not compute nn.Linear's function"
+        )
     n = group.size()
     vocab, hidden = head.out_features, head.in_features
     if vocab % n:
@@ -306,7 +308,7 @@ def distribute_lm_head(root: nn.Module, group: dist.ProcessGroup) -> tuple[list[
         if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
             return [], "its tied input embedding uses max_norm, sparse or scale_grad_by_freq"
         kept = None
-        if _own_forward(embedding, nn.Embedding):
+        if own_forward(embedding, nn.Embedding) is not None:
             kept = _kept_lookup_class(type(embedding))
             if kept is None or not _keeps_lookup(embedding, vocab // n):
                 return [], (
@@ -351,16 +353,6 @@ def _sharing(root: nn.Module, weight: nn.Parameter, allowed: tuple) -> str | Non
     return None
 
 
-def _own_forward(module: nn.Module, base: type) -> bool:
-    """Whether a class of ``module`` below ``base`` defines its own ``forward``."""
-    for klass in type(module).__mro__:
-        if klass is base:
-            return False
-        if "forward" in vars(klass):
-            return True
-    return False
-
-
 class _VocabParallelRows(DistributedEmbedding, nn.Embedding):
     """What ``super().forward`` of a kept embedding subclass reaches in place of
     ``nn.Embedding.forward``: :class:`DistributedEmbedding`'s (its MRO puts it first)."""
@@ -388,14 +380,6 @@ def _kept_lookup_class(cls: type, base: type = _VocabParallelRows) -> type | Non
     return _kept_classes[key]
 
 
-def _with_parameters(module: nn.Module, cls: type, **params: torch.Tensor) -> nn.Module:
-    """A copy of ``module`` of class ``cls`` sharing everything but ``params``."""
-    copy = cls.__new__(cls)
-    copy.__dict__.update(vars(module))
-    copy.__dict__["_parameters"] = {**module._parameters, **params}
-    return copy
-
-
 def _keeps_lookup(embedding: nn.Embedding, rows_per_rank: int) -> bool:
     """Whether ``embedding``'s own forward reads its rows only through ``nn.Embedding``'s, so
     that with that lookup made vocab-parallel (:class:`_VocabParallelRows`) it computes what it
@@ -416,8 +400,8 @@ def _keeps_lookup(embedding: nn.Embedding, rows_per_rank: int) -> bool:
     rows = torch.randn(size, dim, generator=g).to(like.device, like.dtype)
     stand_in = torch.randn(rows_per_rank, dim, generator=g).to(like.device, like.dtype)
     ids = torch.arange(size, device=like.device).view(2, -1)
-    reference = _with_parameters(embedding, cls, weight=rows)
-    probe = _with_parameters(embedding, probe_cls, weight=stand_in)
+    reference = with_parameters(embedding, cls, weight=rows)
+    probe = with_parameters(embedding, probe_cls, weight=stand_in)
     probe.__dict__["_smp_probe_rows"] = rows
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:

@@ -253,7 +253,7 @@ def test_tied_embedding_reading_its_weight_stays_whole(pools):
 def test_computes_linear():
     from transformers.models.falcon.modeling_falcon import FalconLinear
 
-    from smp.tensor_parallel import computes_linear
+    from smp.nn.subclasses import computes_linear
 
     assert computes_linear(nn.Linear(8, 4))
     assert computes_linear(FalconLinear(8, 6, bias=True))
