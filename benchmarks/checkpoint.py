@@ -37,7 +37,7 @@ def _worker(rank: int, layers: int, hidden: int, rounds: int, directory: str) ->
     from model import GPT, GPTConfig, lm_loss
 
     import smp
-    from smp.checkpoints import _model_entries, _optimizer_entries
+    from smp.checkpoints.training import _model_entries, _optimizer_entries
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 1})
     torch.manual_seed(0)

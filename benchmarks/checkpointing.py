@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt")
 from model import GPT, GPTConfig, lm_loss  # noqa: E402
 
 import smp  # noqa: E402
-from smp import activations  # noqa: E402
+from smp.memory import activations  # noqa: E402
 
 
 def _torch_checkpointed(model: GPT) -> GPT:

@@ -94,7 +94,7 @@ def _rounds(sides: dict, device, rounds: int, iters: int) -> dict:
 def bench_kernels(device, small: bool, rounds: int) -> dict:
     import smp
     from smp import kernels
-    from smp.nn.functional import _composed_cross_entropy, tp_group
+    from smp.tp.functional import _composed_cross_entropy, tp_group
 
     smp.init({})
     out = {}

@@ -53,7 +53,7 @@ SAVERS = {  # (activation checkpointing, shard_optimizer_state, delayed init, sh
 
 
 def _nbytes(tensors) -> int:
-    from smp.sharded import local_part
+    from smp.dp.sharded import local_part
 
     seen = {}
     for t in tensors:
@@ -72,7 +72,7 @@ def _worker(rank: int, layout: str, saver: str, layers: int, hidden: int, seq: i
     from model import BLOCK_TP_PLAN, GPT, Block, GPTConfig, lm_loss
 
     import smp
-    from smp import activations
+    from smp.memory import activations
 
     pp, tp = LAYOUTS[layout]
     checkpointing, sharded, delay, sdp = SAVERS[saver]

@@ -14,7 +14,7 @@ each divided by the optimum: the exact min-max contiguous partition of the same 
 
 Crossings: unmodified Hugging Face GPT-2, Llama and BERT (built from configs, on the meta device
 or small on the CPU: nothing is downloaded) are partitioned for p ∈ {2, 4} with crossings free
-(the plan before they were priced) and priced (smp's default, smp.partitioning.CrossingCosts);
+(the plan before they were priced) and priced (smp's default: the partitioner's CrossingCosts);
 the meta-device shapes also at an assumed accelerator rate of 100 TFLOP/s.
 For each plan: the decoder/encoder layers cut inside, where the layer-level cuts fall, the
 crossings per pair of stages per microbatch (calls, forward and backward bytes), the imbalance
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import smp  # noqa: E402
 from smp import _C  # noqa: E402
-from smp.partitioning import (  # noqa: E402
+from smp.partition.partitioner import (  # noqa: E402
     CrossingCosts,
     _build_nodes,
     _core_calls,

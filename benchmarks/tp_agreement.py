@@ -1,4 +1,4 @@
-"""What the TP ranks' agreement on a region's arguments costs (smp/nn/region.py, design.md §6a).
+"""What the TP ranks' agreement on a region's arguments costs (smp/tp/region.py, design.md §6a).
 
 Two gloo processes on CPU (one thread each), tp = 2, a Hugging Face Llama whose decoder layers are
 split over the TP group (smp's default batch semantics: each rank brings its own samples):

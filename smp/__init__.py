@@ -15,20 +15,27 @@ See docs/ and api.md for the whole API.
 """
 
 from smp import amp, comm, kernels, nn, optimizers
-from smp.activations import checkpoint, checkpoint_sequential, set_activation_checkpointing
-from smp.checkpoint_io import load, save
-from smp.checkpoints import CheckpointError, resume_from_checkpoint, save_checkpoint
+from smp.checkpoints.files import load, save
+from smp.checkpoints.training import CheckpointError, resume_from_checkpoint, save_checkpoint
 from smp.comm import *  # noqa: F403 - rank helpers, groups and object collectives
 from smp.config import Config
-from smp.delayed import delay_param_initialization
+from smp.core.messages import WriteBackError
+from smp.core.timeline import Timeline, last_step_timeline
+from smp.core.tracing import is_tracing
+from smp.memory.activations import checkpoint, checkpoint_sequential, set_activation_checkpointing
+from smp.memory.delayed import delay_param_initialization
 from smp.model import DistributedModel
-from smp.nn.region import DivergentArgumentsError
 from smp.optimizer import DistributedOptimizer, MasterGradientsChangedError
-from smp.partitioning import PartitionPlan, is_tracing, partition, plan_partition, set_partition
-from smp.pipeline.messages import WriteBackError
+from smp.partition.partitioner import (
+    PartitionPlan,
+    partition,
+    plan_partition,
+    set_partition,
+)
 from smp.state import init, is_initialized, shutdown
 from smp.step import StepFailedError, StepOutput, microbatch, num_microbatches, step
-from smp.tensor_parallel import (
+from smp.tp.region import DivergentArgumentsError
+from smp.tp.registry import (
     model_creation,
     set_tensor_parallelism,
     tensor_parallelism,
@@ -36,7 +43,6 @@ from smp.tensor_parallel import (
     tp_register_plan,
     tp_register_with_module,
 )
-from smp.timeline import Timeline, last_step_timeline
 
 __version__ = "0.1.0"
 

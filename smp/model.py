@@ -29,13 +29,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp import _C, delayed, offload, sharded, tree
-from smp.reduction import GradReduction
+from smp import _C
+from smp.checkpoints.keys import PARTIAL_KEY
+from smp.core import tree
+from smp.core.errors import StepFailedError
+from smp.dp import sharded
+from smp.dp.reduction import GradReduction
+from smp.memory import delayed, offload
 from smp.state import get_state
+from smp.step import shadow_steps
 
-__all__ = ["DistributedModel", "PARTIAL_KEY"]
-
-PARTIAL_KEY = "_smp_is_partial"  # SMP v1's marker of a rank's partial state dict
+__all__ = ["DistributedModel"]
 
 logger = logging.getLogger("smp")
 
@@ -67,6 +71,8 @@ class DistributedModel(nn.Module):
         ValueError: a bad option, or replicas whose parameters differ in name, shape or dtype.
         NotImplementedError: a configuration this version cannot run yet (named in the message).
     """
+
+    _smp_distributed_model = True  # how layers below this one (which cannot import it) know it
 
     def __init__(
         self,
@@ -108,8 +114,8 @@ class DistributedModel(nn.Module):
             delayed.placeholders(module)
             self.distributed_modules = _Paths()  # paths replaced by tensor-parallel versions
             if cfg.tensor_parallel_degree > 1:
-                from smp.nn.lm_head import distribute_lm_head
-                from smp.tensor_parallel import distribute_marked_modules
+                from smp.tp.lm_head import distribute_lm_head
+                from smp.tp.registry import distribute_marked_modules
 
                 # A causal LM's head (and its tied input embedding) first: the two are split
                 # together, along the vocabulary, which the module-by-module walk cannot do.
@@ -132,7 +138,7 @@ class DistributedModel(nn.Module):
                         ", ".join(self.distributed_modules[:8])
                         + (" ..." if len(self.distributed_modules) > 8 else ""),
                     )
-            from smp.tensor_parallel import alias_layer_lists
+            from smp.tp.registry import alias_layer_lists
 
             alias_layer_lists(module)  # v1's `seq_layers` name for a marked model's layer list
             # A pipelined model stays where it was built until the partition; then each rank
@@ -167,7 +173,7 @@ class DistributedModel(nn.Module):
             self._changing_buffers: set[str] = set()
             self._step_backward_count = 0
             self._grad_union: list[int] | None = None
-            # The overlapped reduction's plan (smp/reduction.py), made at its first use; what the
+            # The overlapped reduction's plan (smp/dp/reduction.py), made at its first use; what the
             # step's outcome agreement said of it: a bucket issued early on some rank, a stale one.
             self._reduction: GradReduction | None = None
             self._issued_anywhere = self._stale_anywhere = False
@@ -404,7 +410,7 @@ class DistributedModel(nn.Module):
         split = self._split_params()
         if not split:
             return local
-        from smp.nn.functional import gather_shards
+        from smp.core.shards import gather_shards
 
         group = get_state().groups["tp"]
         out = dict(local)
@@ -419,7 +425,7 @@ class DistributedModel(nn.Module):
         split = self._split_params()
         if not split:
             return full
-        from smp.nn.functional import shard_state
+        from smp.core.shards import shard_state
 
         state = get_state()
         n, r = state.axis_size("tp"), state.axis_rank("tp")
@@ -445,7 +451,7 @@ class DistributedModel(nn.Module):
                 "partition_report() are available after it (smp.plan_partition previews the plan)"
             )
         if self._partition_plan is None:
-            from smp.partitioning import build_plan
+            from smp.partition.partitioner import build_plan
 
             self._partition_plan = build_plan(
                 self.module, 1, None, get_state().config.memory_weight
@@ -551,8 +557,6 @@ class DistributedModel(nn.Module):
         finally:
             try:
                 if finished:
-                    from smp.step import shadow_steps
-
                     shadow_steps(self)
                     self._sync_after_join()
             finally:
@@ -608,7 +612,7 @@ class DistributedModel(nn.Module):
         ``run_first_microbatch`` runs the step function on microbatch 0; tracing stops it right
         after the model's forward. Any failure is raised on every rank.
         """
-        from smp.partitioning import build_plan, trace_modules
+        from smp.partition.partitioner import build_plan, trace_modules
 
         state = get_state()
         cfg = state.config
@@ -618,7 +622,7 @@ class DistributedModel(nn.Module):
                 traces = None
                 if not cfg.skip_tracing:
                     self.module.to(self.tracing_device())  # "gpu": the model must fit one
-                    from smp.nn.functional import local_only
+                    from smp.tp.functional import local_only
 
                     # Rank 0 runs the model alone: distributed modules must not communicate.
                     # Delayed parameters hold values only while their module runs.
@@ -646,8 +650,6 @@ class DistributedModel(nn.Module):
         if status == "error":
             if state.rank == 0:
                 raise error
-            from smp.step import StepFailedError
-
             raise StepFailedError(f"smp: partitioning the model failed on rank 0: {value}")
         self._partition_plan = value
         self.partitioned = True
@@ -690,8 +692,6 @@ class DistributedModel(nn.Module):
             raise failure
         failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
         if failed:
-            from smp.step import StepFailedError
-
             rank, message = failed[0]
             raise StepFailedError(
                 f"smp: loading the partial state dict given before the partition failed on rank "
@@ -833,7 +833,7 @@ class DistributedModel(nn.Module):
         self._issued_anywhere, self._stale_anywhere = issued_anywhere, stale_anywhere
 
     def _overlapped_reduction(self) -> GradReduction | None:
-        """The reduction overlapped with the backward (smp/reduction.py), made at its first use,
+        """The reduction overlapped with the backward (smp/dp/reduction.py), made at its first use,
         or None where the gradients are reduced after the step: ``overlapping_allreduce=False``
         or a communication hook."""
         overlap = self.overlapping_allreduce and get_state().config.overlapping_allreduce

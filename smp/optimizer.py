@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from smp import amp, sharded
-from smp.model import PARTIAL_KEY
+from smp import amp
+from smp.checkpoints.keys import MASTER_KEY, PARTIAL_KEY, SCALER_KEY, SHARD_KEY
+from smp.dp import sharded
 from smp.state import get_state
 
 __all__ = ["DistributedOptimizer", "balance_owners"]
@@ -34,10 +35,6 @@ __all__ = ["DistributedOptimizer", "balance_owners"]
 logger = logging.getLogger("smp")
 
 _classes: dict[type, type] = {}
-SCALER_KEY = "smp_loss_scaler"  # the fp16 loss scale's state, in the optimizer's state dicts
-MASTER_KEY = "smp_master"  # a float32 master weight, in its parameter's state-dict entry
-# In a local_state_dict() under shard_optimizer_state: the parameter indices whose state it holds.
-SHARD_KEY = "smp_shard_owned"
 _DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
@@ -191,6 +188,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def optimizer(self) -> torch.optim.Optimizer:
         """The optimizer itself (smp's earlier wrapper exposed it here)."""
         return self
+
+    def _algorithm_step(self) -> None:
+        """The wrapped optimizer class's own ``step``: its algorithm alone, none of smp's
+        (checkpoints create a fresh optimizer's state with it)."""
+        super().step()
 
     def step(self, closure=None):
         """One optimizer step on the reduced gradients (call it outside the step function).
@@ -800,7 +802,7 @@ def _unshard(entries: dict, params: list, state) -> dict:
     full shape (an all-gather over the TP group per tensor, in index order on every TP rank)."""
     if state.axis_size("tp") == 1:
         return entries
-    from smp.nn.functional import gather_shards
+    from smp.core.shards import gather_shards
 
     group = state.groups["tp"]
     out = {}
@@ -819,7 +821,7 @@ def _shard(entries: dict, params: list, state) -> dict:
     parameters cut to this rank's shard."""
     if state.axis_size("tp") == 1:
         return entries
-    from smp.nn.functional import shard_tensor
+    from smp.core.shards import shard_tensor
 
     n, r = state.axis_size("tp"), state.axis_rank("tp")
     out = {}

@@ -1,11 +1,4 @@
-"""smp.optimizers (SMP v1): fused optimizers for model-parallel training."""
+"""SMP v1's ``optimizers`` import path: smp.v1.optimizers."""
 
-from __future__ import annotations
-
-from smp._unbuilt import placeholder
-
-__all__ = ["FusedLamb", "FusedLAMB", "FusedNovoGrad"]
-
-FusedLamb = placeholder("smp.optimizers.FusedLamb", "a fused LAMB optimizer")
-FusedLAMB = FusedLamb  # the spelling of NVIDIA apex, which v1 scripts also use
-FusedNovoGrad = placeholder("smp.optimizers.FusedNovoGrad", "a fused NovoGrad optimizer")
+from smp.v1.optimizers import *  # noqa: F403
+from smp.v1.optimizers import __all__  # noqa: F401

@@ -1,20 +1,4 @@
-"""SMP v1's ``state_mod`` module, for scripts that import ``state`` from it: ``state.cfg`` is the
-running configuration (as ``smp.state.cfg``)."""
+"""SMP v1's ``state_mod`` import path: smp.v1.state_mod."""
 
-from __future__ import annotations
-
-from smp.config import Config
-from smp.state import get_state
-
-__all__ = ["state"]
-
-
-class _V1State:
-    """v1's process-wide state object, as far as scripts read it."""
-
-    @property
-    def cfg(self) -> Config:
-        return get_state().config
-
-
-state = _V1State()
+from smp.v1.state_mod import *  # noqa: F403
+from smp.v1.state_mod import __all__  # noqa: F401

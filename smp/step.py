@@ -22,18 +22,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _NormBase
 
-from smp import _C, tree
+from smp import _C
 from smp.comm import collective
+from smp.core import tree
+from smp.core.errors import StepFailedError
 from smp.pipeline.runtime import CallStructureChanged
 from smp.state import State, get_state
 
 __all__ = ["step", "StepOutput", "StepFailedError", "microbatch"]
 
 logger = logging.getLogger("smp")
-
-
-class StepFailedError(RuntimeError):
-    """A step function failed on another rank; the message carries that rank's error."""
 
 
 class StepOutput:
@@ -98,7 +96,7 @@ def _slices_itself(value: Any) -> bool:
 def _split(value: Any, path: str, axis: int, num_mb: int) -> list[Any] | None:
     """Splits ``value`` into ``num_mb`` pieces, or returns None if it is passed whole.
 
-    Every tensor in it (found by smp.tree: containers, named tuples, mappings of any type,
+    Every tensor in it (found by smp.core.tree: containers, named tuples, mappings of any type,
     Hugging Face outputs) is split along ``axis``; an object with ``smp_slice(num_mb, mb, axis)``
     slices itself; 0-d tensors and anything else go whole to every microbatch.
     """
@@ -219,7 +217,7 @@ class _Rewind:
 
     def __init__(self, state: State, models: list):
         self.models = models
-        from smp.nn.functional import random_streams
+        from smp.core.rng import random_streams
 
         self.streams = random_streams()
         # (model, owning module, name, qualified name, tensor, version, copy or None)
@@ -266,7 +264,7 @@ class _Rewind:
         return None
 
     def restore(self) -> None:
-        from smp.nn.functional import set_random_streams
+        from smp.core.rng import set_random_streams
 
         set_random_streams(self.streams)
         for _, module, name, _, buf, _, saved in self.buffers:
@@ -300,13 +298,11 @@ class _StepFunction:
         functools.update_wrapper(self, func)
 
     def _split_arguments(self, args, kwargs, num_mb: int) -> list[tuple[tuple, dict]]:
-        from smp.model import DistributedModel
-
         bound = self.signature.bind(*args, **kwargs)
         per_name: dict[str, list[Any] | None] = {}
         for name, value in bound.arguments.items():
             kind = self.signature.parameters[name].kind
-            if name in self.non_split_inputs or isinstance(value, DistributedModel):
+            if name in self.non_split_inputs or _is_model(value):
                 per_name[name] = None
             elif kind is inspect.Parameter.VAR_KEYWORD:
                 per_name[name] = _split(
@@ -333,20 +329,18 @@ class _StepFunction:
             state.in_step, state.microbatch = False, None
 
     def __call__(self, *args, **kwargs):
-        from smp.model import DistributedModel
-
         state = get_state()
         if state.in_step:
             raise RuntimeError("smp.step functions cannot be nested: one step runs at a time")
         if state.config.offload_activations:
-            from smp import offload
+            from smp.memory import offload
 
             offload.current().new_step()
         num_mb = state.config.microbatches
         if state.device.type != "cpu":  # the step's tensors go where the (first) stage computes
             args, kwargs = tree.map_tensors(lambda t: t.to(state.device), (args, kwargs))
         calls = self._split_arguments(args, kwargs, num_mb)  # bad input fails before any work
-        models = [a for a in (*args, *kwargs.values()) if isinstance(a, DistributedModel)]
+        models = [a for a in (*args, *kwargs.values()) if _is_model(a)]
         models = list({id(m): m for m in models}.values())
 
         joining = [m for m in models if m._join is not None]
@@ -635,6 +629,12 @@ def shadow_steps(model) -> None:
         model._finish_step()
 
 
+def _is_model(value: Any) -> bool:
+    """Whether ``value`` is a DistributedModel (smp.model composes this module, so the class is
+    known by its marker here)."""
+    return getattr(type(value), "_smp_distributed_model", False)
+
+
 def _from_pipeline_leader(state: State, results: list[Any], detach: bool) -> list[Any]:
     """The leader's per-microbatch results, on every rank of its pipeline group: as the
     leader's step function made them there; on the other ranks, its device tensors land on
@@ -667,7 +667,7 @@ def _detached(value: Any) -> Any:
 
 def _to_step_output(results: list[Any], detach: bool) -> Any:
     """Per-microbatch results [r0, r1, ...] -> the same structure with StepOutput leaves (one
-    per leaf of smp.tree, holding that leaf of every microbatch)."""
+    per leaf of smp.core.tree, holding that leaf of every microbatch)."""
     if not results:
         return StepOutput([])
     flat = [tree.flatten(r) for r in results]

@@ -1,15 +1,15 @@
 """smp.nn: distributed (tensor-parallel) modules. Sizes are always global.
 
-See :mod:`smp.nn.modules` for the layouts and batch semantics, and :mod:`smp.nn.functional` for
+See :mod:`smp.tp.modules` for the layouts and batch semantics, and :mod:`smp.tp.functional` for
 the communication primitives they are built from.
 """
 
 import torch
 
-from smp._unbuilt import placeholder
+from smp.core.unbuilt import placeholder
 from smp.nn import huggingface
-from smp.nn.functional import vocab_parallel_cross_entropy
-from smp.nn.modules import (
+from smp.tp.functional import vocab_parallel_cross_entropy
+from smp.tp.modules import (
     DistributedAttentionLayer,
     DistributedEmbedding,
     DistributedLayerNorm,

@@ -1,6 +1,4 @@
-"""SMP v1's ``patches.checkpoint`` module: the activation-checkpointing functions, the same
-objects as ``smp.checkpoint`` and ``smp.checkpoint_sequential``."""
+"""SMP v1's ``patches.checkpoint`` import path: smp.v1.patches."""
 
-from smp import checkpoint, checkpoint_sequential
-
-__all__ = ["checkpoint", "checkpoint_sequential"]
+from smp.v1.patches import *  # noqa: F403
+from smp.v1.patches import __all__  # noqa: F401

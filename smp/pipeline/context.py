@@ -50,7 +50,7 @@ class CallMode:
 
     @classmethod
     def current(cls) -> CallMode:
-        from smp import activations
+        from smp.memory import activations
 
         autocast = tuple(
             torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None

@@ -30,8 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp import _C, activations, offload, tree
-from smp.pipeline import messages, segments
+from smp import _C
+from smp.core import messages, tree
+from smp.memory import activations, offload
+from smp.pipeline import segments
 from smp.pipeline.cache import LRU
 from smp.pipeline.context import CallMode, StepContext
 from smp.pipeline.sender import Sender
@@ -342,7 +344,7 @@ def _resolve_tree(value):
 
 def _resolve_results(value):
     """A step function's or served call's results with every future replaced by its value,
-    inside any object too (a cache, a dataclass: rebuilt, smp.tree's ``objects``)."""
+    inside any object too (a cache, a dataclass: rebuilt, smp.core.tree's ``objects``)."""
     return tree.map_tensors(_resolve, value, objects=True)
 
 
@@ -1037,7 +1039,7 @@ class PipelineRuntime:
         quiet = False
         # With tensor parallelism every decision here must be the same on every TP rank of the
         # stage (they run one task order, design.md §6a), but their arguments may differ (a
-        # padding mask on one rank, None on another; smp/nn/region.py), and with them the keys,
+        # padding mask on one rank, None on another; smp/tp/region.py), and with them the keys,
         # predictions and FETCHes of their calls. So calls wait for their outputs there.
         if self.async_calls and self.order_group is None:
             call.key = (index, unpacked.blob, grad)

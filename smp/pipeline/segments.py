@@ -346,7 +346,7 @@ def accumulate(
     """Adds each gradient (``grads[first + i]`` is ``params[i]``'s) into its parameter's
     ``.grad``, as autograd's accumulator would, and then runs the parameter's
     post-accumulate-grad hooks as it would: those a user registered, and the overlapped gradient
-    reduction's (smp/reduction.py), see every accumulation of a pipelined stage as they would
+    reduction's (smp/dp/reduction.py), see every accumulation of a pipelined stage as they would
     without the pipeline.
 
     A parameter's first gradient becomes its ``.grad`` as it is when ``grads`` is the tuple the

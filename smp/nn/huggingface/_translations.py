@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from smp._unbuilt import fail
+from smp.core.unbuilt import fail
 
 
 def translations(family: str, human: str):

@@ -181,7 +181,7 @@ def _offload_worker():
             ids, mask = torch.cat([ids, ids.flip(0)]), torch.cat([mask, mask.flip(0)])
             losses.append(train_step(model, ids, mask).reduce_mean())
             optimizer.step()
-        moves = list(smp.offload.current().moves) if offload else []
+        moves = list(smp.memory.offload.current().moves) if offload else []
         runs.append((losses, model.state_dict(), moves))
         smp.shutdown()
     (plain_losses, plain_state, _), (losses, state, moves) = runs

@@ -28,8 +28,8 @@ def _make(kind: str):
 
 def _run(kind: str, delay: bool, tp: int):
     import smp
-    from smp import delayed
-    from smp.nn.functional import shard_tensor
+    from smp.memory import delayed
+    from smp.tp.functional import shard_tensor
 
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": tp, "microbatches": 2,
               "delayed_parameter_initialization": delay})  # fmt: skip

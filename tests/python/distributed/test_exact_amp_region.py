@@ -262,8 +262,8 @@ def _region_worker(kind: str) -> dict:
     """A column-parallel module whose shards scale by the value: a rank running another rank's
     value on its shard shows as a column block of the wrong scale."""
     import smp
-    from smp.nn import functional as tpf
     from smp.nn import region
+    from smp.tp import functional as tpf
 
     class Scaled(smp.nn.DistributedModule):
         def __init__(self, weight: torch.Tensor):
@@ -351,7 +351,7 @@ class Color(enum.Enum):
 def test_argument_digests_follow_contents():
     """The agreement's digest of equal contents is equal, of different contents different (no
     processes): what "contents" means for values that are not plain."""
-    from smp.nn.region import _Call
+    from smp.tp.region import _Call
 
     block = torch.nn.Identity()
 
@@ -407,7 +407,7 @@ CEILING = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 
 def test_delayed_init_puts_the_mmap_threshold_back_however_it_ends(monkeypatch):
     import smp
-    from smp import delayed
+    from smp.memory import delayed
 
     libc = _FakeLibc()
     monkeypatch.setattr(delayed, "_glibc", lambda: libc)

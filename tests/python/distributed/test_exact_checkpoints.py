@@ -205,7 +205,7 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_save(tmp_path):
             "-c",
             "import os, signal, sys\n"
             "from pathlib import Path\n"
-            "from smp.checkpoint_io import write_atomically\n"
+            "from smp.checkpoints.files import write_atomically\n"
             "write_atomically(Path(sys.argv[1]), lambda f: (f.write(b'half'), f.flush(), "
             "os.kill(os.getpid(), signal.SIGKILL)))\n",
             str(target),
@@ -236,7 +236,7 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_save(tmp_path):
 
 
 class _ClockSteppingBack:
-    """time for smp.checkpoints: time() goes back an hour at every call."""
+    """time for smp.checkpoints.training: time() goes back an hour at every call."""
 
     perf_counter = staticmethod(time.perf_counter)
 
@@ -255,7 +255,7 @@ def _small_model(smp):
 
 def _prune_worker(directory: str):
     import smp
-    import smp.checkpoints as checkpoints
+    import smp.checkpoints.training as checkpoints
 
     smp.init({})
     kept = _small_model(smp)  # noqa: F841 - smp holds models weakly
@@ -358,7 +358,7 @@ class _RunsCode:
 def _craft(directory: Path, name: str, marker: str) -> bytes:
     """Replaces ``directory/name`` with code-running bytes, the manifest updated to match (its
     checksums stop accidents, not an attacker); returns the original bytes."""
-    from smp.checkpoints import _digest
+    from smp.checkpoints.training import _digest
 
     file = directory / name
     original = file.read_bytes()
@@ -428,7 +428,7 @@ def test_a_checkpoint_runs_no_code_and_user_types_are_allowed_by_name(pools, tmp
 
 def test_dcp_byte_items_load_as_plain_values_only(tmp_path):
     import smp
-    from smp._dcp import _LoadPlanner
+    from smp.checkpoints.dcp import _LoadPlanner
 
     planner = _LoadPlanner(lambda metadata: set())
     planner.state_dict = {}

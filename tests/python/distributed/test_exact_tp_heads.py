@@ -253,7 +253,7 @@ def test_tied_embedding_reading_its_weight_stays_whole(pools):
 def test_computes_linear():
     from transformers.models.falcon.modeling_falcon import FalconLinear
 
-    from smp.nn.subclasses import computes_linear
+    from smp.tp.subclasses import computes_linear
 
     assert computes_linear(nn.Linear(8, 4))
     assert computes_linear(FalconLinear(8, 6, bias=True))
@@ -270,7 +270,7 @@ def test_keeps_lookup():
     from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
     from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
 
-    from smp.nn.lm_head import _keeps_lookup
+    from smp.tp.lm_head import _keeps_lookup
 
     assert _keeps_lookup(GemmaTextScaledWordEmbedding(8, 4, 0, embed_scale=2.0), 4)
     assert not _keeps_lookup(_ByHand(8, 4), 4)
@@ -282,7 +282,7 @@ def test_loss_binds_by_the_signature(single_process_smp):
     arguments gives Hugging Face's value; a vocabulary size other than the head's raises."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from smp.nn.lm_head import causal_lm_loss_kw
+    from smp.tp.lm_head import causal_lm_loss_kw
 
     single_process_smp()
     g = torch.Generator().manual_seed(0)
@@ -313,7 +313,7 @@ def test_plan_projections_recognised_by_class():
     name with an [out, in] weight), and an nn.Linear only if it computes nn.Linear's function."""
     from transformers.pytorch_utils import Conv1D
 
-    from smp.tensor_parallel import _CannotDistribute, _linear_dims
+    from smp.tp.registry import _CannotDistribute, _linear_dims
 
     assert _linear_dims(Conv1D(6, 4)) == (4, 6, True)  # Conv1D(nf=6, nx=4): weight [4, 6]
     with pytest.raises(_CannotDistribute, match="_Doubled defines its own forward"):

@@ -80,7 +80,7 @@ def _train(kind: str, layout: tuple[int, int, int], savers: bool):
         grads.append(full_grads(model))
         optimizer.step()
     state = model.state_dict()
-    summary = smp.offload.current().summary() if savers else None
+    summary = smp.memory.offload.current().summary() if savers else None
     out = {"losses": losses, "grads": grads, "state": state, "summary": summary,
            "bytes": optimizer.state_bytes(), "rdp": smp.rdp_size()}  # fmt: skip
     smp.shutdown()

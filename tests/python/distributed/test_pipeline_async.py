@@ -872,7 +872,7 @@ class Memo(nn.Module):
 
 def _memo_worker(send_once: bool, root: int = 0):
     import smp
-    from smp.pipeline import messages, runtime
+    from smp.core import messages, runtime
     from smp.pipeline.sender import Sender
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})

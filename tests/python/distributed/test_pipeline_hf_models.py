@@ -101,7 +101,7 @@ def _parity_worker(name: str, pp: int, microbatches: int, dp: int = 1):
         model.backward(out.loss)
         return out.loss
 
-    from smp.pipeline import messages, runtime
+    from smp.core import messages, runtime
     from smp.pipeline.sender import Sender
 
     again = [0]  # tensors that went as references to an earlier request's (tensors sent once)

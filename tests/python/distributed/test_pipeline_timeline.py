@@ -125,7 +125,7 @@ def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, sched
 
 def test_stage_costs_turn_a_step_into_what_other_schedules_would_take():
     from smp import _C
-    from smp.timeline import TimedAction, Timeline
+    from smp.core.timeline import TimedAction, Timeline
 
     def acts(spec):
         return [TimedAction(n, float(s), float(e)) for n, s, e in map(str.split, spec.split(","))]
@@ -156,7 +156,7 @@ def test_a_schedule_the_runtime_could_not_have_run_is_rejected():
     """The validator the timeline test relies on fails an order no run can have: stage 0 waits
     for backward 0 before it starts forward 1, while stage 1 wants forward 1 before backward 0."""
     from smp import _C
-    from smp.timeline import TimedAction, Timeline
+    from smp.core.timeline import TimedAction, Timeline
 
     def acts(names):
         return [TimedAction(n, float(i), float(i) + 0.5) for i, n in enumerate(names)]

@@ -38,7 +38,7 @@ LAYOUTS = {
 
 
 def _bytes(tensors) -> int:
-    from smp.sharded import local_part
+    from smp.dp.sharded import local_part
 
     seen, total = set(), 0
     for t in tensors:

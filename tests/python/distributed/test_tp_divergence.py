@@ -1,5 +1,5 @@
 """TP ranks whose arguments differ never stall: they run each rank's arguments in turn, or fail
-fast on every rank with the cause (smp/nn/region.py, design.md §6a).
+fast on every rank with the cause (smp/tp/region.py, design.md §6a).
 
 With smp's batch semantics each TP rank brings its own samples. Real batches differ between
 ranks: Hugging Face passes ``attention_mask=None`` into its blocks for a batch without padding
@@ -417,7 +417,7 @@ def _agreement_worker() -> dict:
     import smp
     from smp import _C
     from smp.nn import DistributedLinear
-    from smp.nn.region import DivergentArgumentsError
+    from smp.tp.region import DivergentArgumentsError
 
     out = {}
     for prescaled in (False, True):
@@ -456,7 +456,7 @@ def test_agreement_cost_and_different_regions(pools):
 
 def test_description_names_the_difference():
     """The phrase every message uses for what differs between two ranks (no processes)."""
-    from smp.nn.region import _Call, _describe_difference
+    from smp.tp.region import _Call, _describe_difference
 
     block = torch.nn.Identity()  # only its name is read
     hidden = torch.zeros(2, 8, 32, requires_grad=True)

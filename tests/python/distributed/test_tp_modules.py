@@ -118,8 +118,8 @@ def _make_dist_scaler():
             self.weight = self._shard(torch.zeros(size, size), 0)
 
         def local_forward(self, x, multiplier):
-            y = F.linear(smp.nn.functional.copy_to_region(x), self.weight)
-            return self.factor * multiplier * smp.nn.functional.gather_from_region(y, -1)
+            y = F.linear(smp.tp.functional.copy_to_region(x), self.weight)
+            return self.factor * multiplier * smp.tp.functional.gather_from_region(y, -1)
 
     return DistScaler
 

@@ -51,7 +51,7 @@ def local_group() -> dist.ProcessGroup:
 def full_grads(model) -> dict[str, torch.Tensor]:
     """Every parameter's gradient at its full shape (shards gathered over the TP group)."""
     import smp
-    from smp.nn.functional import unshard_tensor
+    from smp.tp.functional import unshard_tensor
 
     out = {}
     group = smp.get_tp_process_group()

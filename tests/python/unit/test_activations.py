@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import smp
-from smp import activations
+from smp.memory import activations
 
 
 def _stack(n: int = 6, p: float = 0.2) -> nn.Sequential:
@@ -183,7 +183,7 @@ def _offload_run(smp, offload: bool, horizon: int = 1):
     torch.manual_seed(1)
     losses = [train_step(model, torch.randn(8, 8)).reduce_mean() for _ in range(2)]
     grads = [p.grad.clone() for p in model.parameters()]
-    moves = smp.offload.current().moves if offload else []
+    moves = smp.memory.offload.current().moves if offload else []
     smp.shutdown()
     return losses, grads, moves
 
@@ -219,4 +219,4 @@ def test_offload_config_needs_no_checkpointing_to_do_nothing(single_process_smp)
         return loss
 
     train_step(model, torch.ones(2, 2))
-    assert smp.offload.current().moves == []
+    assert smp.memory.offload.current().moves == []

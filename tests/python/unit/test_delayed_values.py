@@ -10,7 +10,7 @@ from models import tiny_gpt_config, tiny_hf_model
 from torch import nn
 
 import smp
-from smp import delayed
+from smp.memory import delayed
 
 
 def _build(make, delay: bool):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from smp.pipeline.messages import WriteBackError, assign, fingerprint
+from smp.core.messages import WriteBackError, assign, fingerprint
 
 
 class Output(collections.OrderedDict):

@@ -66,7 +66,7 @@ def test_vocab_cross_entropy_keeps_leading_dims_and_large_logits():
 
 
 def test_fused_and_composed_cross_entropy_agree(single_process_smp):
-    import smp.nn.functional as tpf
+    import smp.tp.functional as tpf
 
     single_process_smp()
     logits, target = _logits()

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from smp.pipeline.messages import (
+from smp.core.messages import (
     Sent,
     Skeleton,
     assign,
@@ -161,7 +161,7 @@ def test_assign_makes_the_callers_object_hold_the_new_state():
 
 
 def test_the_walker_reaches_tensors_inside_objects_it_can_carry():
-    from smp import tree
+    from smp.core import tree
 
     cache = Cache()
     cache.update(torch.ones(1, 2))

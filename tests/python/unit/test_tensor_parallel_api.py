@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import smp
-from smp.nn.functional import shard_tensor, unshard_tensor
-from smp.partitioning import _PIN_ATTR
-from smp.tensor_parallel import _MARK
+from smp.partition.partitioner import _PIN_ATTR
+from smp.tp.functional import shard_tensor, unshard_tensor
+from smp.tp.registry import _MARK
 
 
 def test_context_marks_modules_and_nests_with_partition():
@@ -26,7 +26,7 @@ def test_context_marks_modules_and_nests_with_partition():
     assert getattr(c, _MARK) is False and getattr(c, _PIN_ATTR) == 1
     assert getattr(d, _MARK) == {"optimize": "memory"} and not hasattr(d, _PIN_ATTR)
     assert not hasattr(e, _MARK)
-    assert nn.Module.__init__ is smp._creation._original_init
+    assert nn.Module.__init__ is smp.core.creation._original_init
 
 
 def test_set_tensor_parallelism_marks_the_subtree():

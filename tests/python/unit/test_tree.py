@@ -1,4 +1,4 @@
-"""smp.tree: the one walker for step inputs and outputs, call arguments and results, and TP
+"""smp.core.tree: the one walker for step inputs and outputs, call arguments and results, and TP
 region arguments: pytree's containers plus smp's rules (mappings and sequences of any type,
 objects holding tensors on request), rebuilding the original types."""
 
@@ -10,7 +10,7 @@ from collections import OrderedDict, defaultdict, namedtuple
 import pytest
 import torch
 
-from smp import tree
+from smp.core import tree
 
 Pair = namedtuple("Pair", "first second")
 

@@ -50,7 +50,7 @@ for a named parameter only where ``ABSORBED_BY_KWARGS`` says why, or where ``FOR
 names the callable the ``**kwargs`` go to (which must then accept the name itself).
 
 Names that v1 documents and smp exposes as a placeholder that raises ``NotImplementedError``
-when used (``smp._unbuilt``) count as existing: their ``*args, **kwargs`` accept every
+when used (``smp.core.unbuilt``) count as existing: their ``*args, **kwargs`` accept every
 documented parameter until they are built, and then the real signature is checked. Methods of a
 placeholder class pass for the same reason.
 
@@ -580,8 +580,8 @@ def _resolve(qualified: str) -> Any:
 def _is_placeholder(value: Any) -> bool:
     """A name smp exposes but has not built yet: it raises NotImplementedError when used."""
     if isinstance(value, type):
-        return getattr(value.__init__, "__module__", None) == "smp._unbuilt"
-    return getattr(value, "__module__", None) == "smp._unbuilt"
+        return getattr(value.__init__, "__module__", None) == "smp.core.unbuilt"
+    return getattr(value, "__module__", None) == "smp.core.unbuilt"
 
 
 @pytest.fixture(scope="module")

@@ -49,8 +49,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp import tree
-
 __all__ = [
     "TensorSlot",
     "Ref",
@@ -335,7 +333,10 @@ def _describe(value: Any, depth: int) -> str:
     return repr(value)
 
 
-_PLAIN = tree.PLAIN
+# Values with nothing inside to walk (smp.core.tree's leaves; stateless here). torch.Size too:
+# pytree would rebuild it as a plain tuple.
+PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_PLAIN = PLAIN
 _STATELESS = (torch.Tensor, *_PLAIN)
 
 

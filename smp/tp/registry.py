@@ -38,17 +38,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp import delayed
-from smp._creation import creation_hook
-from smp.nn import functional as tpf
-from smp.nn.modules import (
+from smp.core.creation import creation_hook
+from smp.memory import delayed
+from smp.tp import functional as tpf
+from smp.tp.modules import (
     DistributedEmbedding,
     DistributedLayerNorm,
     DistributedLinear,
     DistributedModule,
     run_region,
 )
-from smp.nn.subclasses import computes_linear, own_forward
+from smp.tp.subclasses import computes_linear, own_forward
 
 __all__ = [
     "tensor_parallelism",
@@ -147,7 +147,7 @@ def _find_registration(module: nn.Module) -> _Registration | None:
     forward (e.g. OPT's learned positions, an ``nn.Embedding`` that offsets its ids). An
     ``nn.Linear`` whose own forward computes ``nn.Linear``'s function (Falcon's
     ``FalconLinear``: ``input @ weight.T + bias``; see
-    :func:`smp.nn.subclasses.computes_linear`) is an ``nn.Linear``."""
+    :func:`smp.tp.subclasses.computes_linear`) is an ``nn.Linear``."""
     return _lookup(module)[0]
 
 
@@ -216,7 +216,7 @@ def _v1_kernel_options(tp_config: dict) -> dict:
     """``tp_config`` without SMP v1's kernel options, each noted once on rank 0; ``use_alibi``
     (a different model, not built) raises when true."""
     if tp_config.get("use_alibi"):
-        from smp._unbuilt import fail
+        from smp.core.unbuilt import fail
 
         fail("smp.tensor_parallelism(use_alibi=True)", "ALiBi attention biases")
     out = {}
@@ -296,7 +296,7 @@ def model_creation(
         from smp.state import get_state, is_initialized
 
         if is_initialized() and get_state().config.delayed_parameter_initialization:
-            from smp.delayed import delay_param_initialization
+            from smp.memory.delayed import delay_param_initialization
 
             stack.enter_context(delay_param_initialization())
         yield
@@ -315,7 +315,7 @@ def is_distributed_parameter(param: torch.Tensor) -> bool:
 
 def carry_checkpointing(old: nn.Module, new: nn.Module) -> None:
     """Gives ``new`` (the distributed version of ``old``) ``old``'s activation checkpointing."""
-    from smp import activations
+    from smp.memory import activations
 
     options = activations.options_of(old)
     if options is not None:
@@ -436,7 +436,7 @@ def _is_distributed(module: nn.Module) -> bool:
 
 def _name_regions(root: nn.Module) -> None:
     """Names each distributed module by its path in the model: what the TP ranks compare when
-    they agree on a region's arguments, and what their errors call it (smp/nn/region.py)."""
+    they agree on a region's arguments, and what their errors call it (smp/tp/region.py)."""
     for path, module in root.named_modules():
         if _is_distributed(module):
             module._smp_region_name = path or "<root>"

@@ -47,7 +47,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import random
 import shutil
 import time
@@ -59,7 +58,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp.checkpoint_io import fsync_directory, write_atomically
+from smp.checkpoints.files import fsync_directory, write_atomically
+from smp.checkpoints.integrity import CheckpointError, _digest, _load_plain, _torch_save
+from smp.checkpoints.keys import MASTER_KEY
 from smp.state import get_state
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "CheckpointError"]
@@ -69,12 +70,6 @@ logger = logging.getLogger("smp")
 FORMAT = 1
 MANIFEST = "smp_checkpoint.json"
 NEWEST = "newest"
-_BLOCK = 8 << 20  # bytes read at a time when checksumming
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or resumed (missing, incomplete, truncated, corrupted,
-    or not matching the model); the message names the file or key and what is wrong."""
 
 
 # ---- what a rank holds, under checkpoint keys --------------------------------------------------
@@ -87,8 +82,8 @@ def _tp(state) -> tuple[int, int]:
 def _entry(value: Any, param: torch.Tensor | None, state) -> Any:
     """``value`` as DCP sees it: the chunks of the full tensor when it is a TP shard shaped
     like its split parameter ``param`` or a sharded data parallel chunk, else itself."""
-    from smp import sharded
-    from smp._dcp import _Chunks
+    from smp.checkpoints.dcp import _Chunks
+    from smp.dp import sharded
 
     split = getattr(param, "_smp_tp_split", None)
     if sharded.is_sharded(value):  # a sharded data parallel chunk (of a TP shard)
@@ -149,8 +144,6 @@ def _optimizer_entries(model, optimizer, state) -> dict[str, Any]:
     ``shard_optimizer_state``, those it owns: each rank writes and loads its shard, and the
     names are the same whichever rank holds them), the hyperparameters and the loss scale."""
     entries: dict[str, Any] = {}
-    from smp.optimizer import MASTER_KEY
-
     for name, p in _stateful_params(model, optimizer):
         for key, value in optimizer.state.get(p, {}).items():
             entries[f"optim/{name}/{key}"] = _entry(value, p, state)
@@ -170,8 +163,6 @@ def _materialize_optimizer_state(model, optimizer) -> None:
     optimizer's own algorithm on zero gradients with every learning rate at 0 (the parameters
     do not change). Under ``shard_optimizer_state`` only for the parameters this rank owns
     (the others have no gradient in that step, so they get no state)."""
-    from smp.optimizer import DistributedOptimizer
-
     owned = [p for _, p in _stateful_params(model, optimizer) if p.requires_grad]
     if all(optimizer.state.get(p) for p in owned):
         return
@@ -186,7 +177,7 @@ def _materialize_optimizer_state(model, optimizer) -> None:
             g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
         with torch.no_grad():
             before = [p.detach().clone() for p in owned]
-            super(DistributedOptimizer, optimizer).step()  # the user's class's own step
+            optimizer._algorithm_step()  # the user's class's own step
             for p, b in zip(owned, before):
                 p.copy_(b)  # bit-exact, whatever the algorithm does at lr 0
     finally:
@@ -200,78 +191,17 @@ def _materialize_optimizer_state(model, optimizer) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    """This rank's random streams (smp.nn.functional.random_streams) and Python's."""
-    from smp.nn.functional import random_streams
+    """This rank's random streams (smp.tp.functional.random_streams) and Python's."""
+    from smp.core.rng import random_streams
 
     return {**random_streams(), "python": random.getstate()}
 
 
 def _set_rng_state(saved: dict[str, Any]) -> None:
-    from smp.nn.functional import set_random_streams
+    from smp.core.rng import set_random_streams
 
     set_random_streams(saved)
     random.setstate(saved["python"])
-
-
-# ---- files ---------------------------------------------------------------------------------------
-
-
-def _digest(path: Path) -> dict[str, int]:
-    """A file's size and CRC-32C."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        return {"bytes": size, "crc32c": _crc(f, size)}
-
-
-def _crc(f, count: int) -> int:
-    """The CRC-32C of the next ``count`` bytes of ``f`` (smp's C++ core: the CPU's CRC
-    instruction where it has one; read in blocks, the checksum runs without the GIL)."""
-    from smp import _C
-
-    crc, left = 0, count
-    buffer = bytearray(min(count, _BLOCK))
-    view = memoryview(buffer)
-    while left > 0:
-        n = f.readinto(view[: min(left, len(buffer))])
-        if not n:
-            break
-        crc = _C.crc32c(view[:n], crc)
-        left -= n
-    return crc
-
-
-def _torch_save(path: Path, obj: Any) -> dict[str, int]:
-    write_atomically(path, lambda f: torch.save(obj, f))
-    return _digest(path)
-
-
-def _load_plain(source: Any, what: str, **kwargs: Any) -> Any:
-    """``torch.load(source, weights_only=True)``: tensors and plain Python values, no code run
-    from the checkpoint (one from a shared bucket may have been written by anyone). Types the
-    user allowed with ``torch.serialization.add_safe_globals`` load too.
-
-    Raises:
-        CheckpointError: the file holds other globals; the message names them and how to allow
-            them.
-    """
-    try:
-        return torch.load(source, weights_only=True, **kwargs)
-    except pickle.UnpicklingError as exc:
-        try:
-            if hasattr(source, "seek"):
-                source.seek(0)
-            refused = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
-        except Exception:  # noqa: BLE001 - the message below still says what was refused
-            refused = []
-        names = ", ".join(refused) or str(exc).strip().splitlines()[-1]
-        raise CheckpointError(
-            f"{what} holds {names}, which smp does not load: checkpoints are read with "
-            "torch.load(weights_only=True) so that a checkpoint cannot run code. If you trust "
-            "this checkpoint, allow the type(s) first: torch.serialization.add_safe_globals(["
-            f"{', '.join(name.rpartition('.')[2] for name in refused) or '...'}]) (or resume "
-            "inside torch.serialization.safe_globals([...])); or keep only tensors and plain "
-            "Python values (dict, list, tuple, str, int, float, bool, None) in user_content"
-        ) from exc
 
 
 # ---- agreement -----------------------------------------------------------------------------------
@@ -493,7 +423,7 @@ def save_checkpoint(
 def _save_partial(tmp: Path, model, optimizer, state) -> dict[str, dict[str, int]]:
     import torch.distributed.checkpoint as dcp
 
-    from smp._dcp import _SavePlanner, _Writer
+    from smp.checkpoints.dcp import _SavePlanner, _Writer
 
     entries = _model_entries(model, state)
     if optimizer is not None:
@@ -717,7 +647,7 @@ def _locate(root: Path, tag: str) -> Path:
 def _verify(directory: Path, manifest: dict, state) -> None:
     """Checks every file against the manifest: sizes on every rank; the checksums of whole
     files spread over the ranks (DCP's data files, checksummed per item, are checked as they
-    are read: see smp._dcp._Reader); raises the first problem found on every rank."""
+    are read: see smp.checkpoints.dcp._Reader); raises the first problem found on every rank."""
     problems: list[str] = []
     names = sorted(manifest["files"])
     for index, name in enumerate(names):
@@ -754,7 +684,7 @@ def _holds_optimizer_state(directory: Path, manifest: dict[str, Any]) -> bool:
     metadata."""
     if not manifest["partial"]:
         return "optimizer.pt" in manifest["files"]
-    from smp._dcp import _Reader
+    from smp.checkpoints.dcp import _Reader
 
     saved = _Reader(directory, {}).read_metadata().state_dict_metadata
     return any(key.startswith("optim/") for key in saved)
@@ -810,7 +740,7 @@ def _load_partial(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from smp._dcp import _full_size, _LoadPlanner, _Reader
+    from smp.checkpoints.dcp import _full_size, _LoadPlanner, _Reader
 
     failure: BaseException | None = None
     try:
@@ -869,8 +799,6 @@ def _load_partial(
         raise CheckpointError(
             f"loading checkpoint {directory} failed on rank {rank}: {type(error).__name__}: {error}"
         ) from exc
-    from smp.optimizer import MASTER_KEY
-
     loaded = set(targets) - planner.skipped
     # Float32 master weights follow the loaded model, except those the checkpoint held.
     # (Under shard_optimizer_state a rank loads only the masters it owns: the others are

@@ -13,7 +13,7 @@ what pytree leaves whole:
 2. a list or tuple subclass is walked by its items and rebuilt as ``type(s)(items)``;
 3. any other object is a leaf, unless the caller asks for ``objects=True``: then an object
    holding tensors (a Hugging Face cache, a dataclass) is rebuilt with its tensors replaced,
-   through the same pickling that carries it across stages (``smp.pipeline.messages``), i.e. a
+   through the same pickling that carries it across stages (``smp.core.messages``), i.e. a
    copy; an object pickle cannot carry stays a leaf.
 
 The rules are smp-owned pytree node types registered once (:class:`_Items`, :class:`_Object`):
@@ -24,8 +24,8 @@ that registry is global, torch.export, FSDP and torch.compile read it, and a lib
 registers its own type would fail on the duplicate.
 
 Example:
-    leaves, spec = smp.tree.flatten({"ids": ids, "mask": batch_encoding})
-    doubled = smp.tree.map_tensors(lambda t: t * 2, model_output)
+    leaves, spec = smp.core.tree.flatten({"ids": ids, "mask": batch_encoding})
+    doubled = smp.core.tree.map_tensors(lambda t: t * 2, model_output)
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from smp.core import messages
+
 __all__ = ["flatten", "unflatten", "leaf_paths", "map_tensors", "tensors", "rebuild_mapping"]
 
-# Values with nothing inside to walk (also what smp.pipeline.messages treats as stateless).
-# torch.Size too: pytree would rebuild it as a plain tuple.
-PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+PLAIN = messages.PLAIN  # values with nothing inside to walk
 
 
 def rebuild_mapping(cls: type, items: dict) -> Mapping:
@@ -67,7 +67,7 @@ class _Items:
 class _Object:
     """Rule 3 (``objects=True``): an object holding tensors, as its pickled skeleton."""
 
-    skeleton: Any  # smp.pipeline.messages.Skeleton (comparable: specs are compared)
+    skeleton: Any  # smp.core.messages.Skeleton (comparable: specs are compared)
     modules: dict
     tensors: list
 
@@ -91,8 +91,6 @@ def _flatten_object(node: _Object):
 
 
 def _unflatten_object(values, context):
-    from smp.pipeline import messages
-
     skeleton, modules = context
     return messages.fill(skeleton, list(values), modules)
 
@@ -139,8 +137,6 @@ def _wrap_leaf(value: Any, objects: bool, is_leaf: Callable[[Any], bool] | None)
     if isinstance(value, (list, tuple)):
         return _Items(type(value), (), [_wrap(v, objects, is_leaf) for v in value])
     if objects:
-        from smp.pipeline import messages
-
         local: list = []
         try:
             skeleton, _, found = messages.pack_parts(value, local_modules=local)

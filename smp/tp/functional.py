@@ -17,13 +17,15 @@ better: bool tensors travel as uint8, and the shard/unshard arithmetic of parame
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from smp import _C, kernels
 from smp.comm import collective
+from smp.core.rng import random_streams, set_random_streams, tp_rng
+from smp.core.shards import gather_shards, shard_state, shard_tensor, unshard_tensor
 
 __all__ = [
     "tp_group",
@@ -135,123 +137,6 @@ def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
     if _local_only:
         return _local_repeat(x, dim, group)
     return _C.tp.all_gather(x, dim, tp_group(group))
-
-
-# ---- parameter shards ---------------------------------------------------------------------------
-
-
-def shard_tensor(full: torch.Tensor, dim: int, fused: int, size: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``full`` split ``size`` ways along ``dim``.
-
-    ``fused`` > 1 means ``full`` is ``fused`` equal blocks along ``dim`` (e.g. a fused QKV weight
-    is 3 blocks): each block is split on its own and the rank's pieces are concatenated, so the
-    shard holds rank's part of Q, then of K, then of V.
-    """
-    blocks = full.chunk(fused, dim) if fused > 1 else (full,)
-    return torch.cat([b.chunk(size, dim)[rank] for b in blocks], dim).contiguous()
-
-
-def unshard_tensor(shards: Sequence[torch.Tensor], dim: int, fused: int) -> torch.Tensor:
-    """Inverse of :func:`shard_tensor`: the full tensor from every rank's shard, in rank order."""
-    if fused == 1:
-        return torch.cat(list(shards), dim)
-    per_rank = [s.chunk(fused, dim) for s in shards]
-    return torch.cat([torch.cat([p[j] for p in per_rank], dim) for j in range(fused)], dim)
-
-
-def gather_shards(shard: torch.Tensor, dim: int, fused: int, group: dist.ProcessGroup):
-    """The full tensor of which every rank of ``group`` holds ``shard`` (an all-gather, then
-    :func:`unshard_tensor`); a collective: every rank of the group calls it, in one order."""
-    shard = shard.detach().contiguous()
-    parts = [torch.empty_like(shard) for _ in range(group.size())]
-    dist.all_gather(parts, shard, group=group)
-    return unshard_tensor(parts, dim, fused)
-
-
-def shard_state(
-    full: dict[str, torch.Tensor], params: dict[str, torch.Tensor], size: int, rank: int
-) -> dict[str, torch.Tensor]:
-    """A full-shape state dict with each entry whose parameter in ``params`` (same keys) is split
-    (``_smp_tp_split``) replaced by rank ``rank``'s shard; other entries are kept as they are."""
-    out = dict(full)
-    for key, value in full.items():
-        split = getattr(params.get(key), "_smp_tp_split", None)
-        if split is not None:
-            out[key] = shard_tensor(value, split[0], split[1], size, rank)
-    return out
-
-
-# ---- randomness ---------------------------------------------------------------------------------
-
-
-def tp_rng(kind: str, device: torch.device | str | None = None) -> torch.Generator:
-    """The TP-aware generator ``kind`` of this rank, on ``device`` (default: the CPU).
-
-    "replicated": the same stream on every rank of a TP group, for dropout on tensors every rank
-    holds whole (so the masks agree). "sharded": a different stream on every TP rank, for
-    tensors split across the group or holding different samples. Both derive from
-    ``tensor_parallel_seed``, the pipeline stage and the rdp rank, and restart at every
-    ``smp.init``, so runs are reproducible. Each device has its own generator of each kind,
-    seeded alike, so a CUDA tensor's mask is drawn on its GPU (no host mask, no copy) and still
-    agrees across the group where it must.
-    """
-    from smp.state import get_state, is_initialized
-
-    if not is_initialized():
-        raise RuntimeError("smp.nn dropout needs smp.init(...) first (it seeds the TP generators)")
-    device = torch.device("cpu" if device is None else device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    state = get_state()
-    generators = getattr(state, "tp_generators", None)
-    if generators is None:
-        generators = state.tp_generators = {}
-    key = kind if device.type == "cpu" else f"{kind}@{device}"
-    if key not in generators:
-        if kind not in ("replicated", "sharded"):
-            raise ValueError(f'TP generator kind must be "replicated" or "sharded", got {kind!r}')
-        base = (
-            state.config.tensor_parallel_seed * 1_000_003
-            + state.axis_rank("pp") * 7919
-            + state.axis_rank("rdp") * 104_729
-        )
-        if kind == "sharded":
-            base += 2718 + 31 * (state.axis_rank("tp") + 1)
-        generators[key] = torch.Generator(device=device).manual_seed(base)
-    return generators[key]
-
-
-def random_streams() -> dict:
-    """Every random stream this rank's steps draw from: torch's CPU generator, the CUDA ones
-    (once CUDA is initialised) and the TP generators (None until first drawn from)."""
-    from smp.state import get_state, is_initialized
-
-    generators = getattr(get_state(), "tp_generators", None) if is_initialized() else None
-    return {
-        "cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
-        "tp": None if generators is None else {k: g.get_state() for k, g in generators.items()},
-    }
-
-
-def set_random_streams(saved: dict) -> None:
-    """Puts back what :func:`random_streams` took. TP generators that did not exist then are
-    dropped, so they start afresh from their seed when next used, as they would have."""
-    from smp.state import get_state, is_initialized
-
-    torch.set_rng_state(saved["cpu"])
-    if saved["cuda"] is not None:
-        torch.cuda.set_rng_state_all(saved["cuda"])
-    if is_initialized():
-        if saved["tp"] is None:
-            get_state().tp_generators = None
-        else:
-            generators = getattr(get_state(), "tp_generators", None) or {}
-            for key in [k for k in generators if k not in saved["tp"]]:
-                del generators[key]
-            for key, value in saved["tp"].items():
-                kind, _, device = key.partition("@")
-                tp_rng(kind, device or None).set_state(value)
 
 
 def tp_dropout(x: torch.Tensor, p: float, training: bool, kind: str) -> torch.Tensor:

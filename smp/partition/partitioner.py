@@ -35,8 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from smp import _C
-from smp._creation import creation_hook
 from smp.config import build_config
+from smp.core.creation import creation_hook
+from smp.core.tracing import tracing_pass
 
 __all__ = [
     "partition",
@@ -249,7 +250,7 @@ def _preserved_state(module: nn.Module) -> Iterator[None]:
     The TP generators too: rank 0 traces alone, and a draw there that its TP peers do not make
     would give the group different "replicated" dropout masks from then on (and replicated
     parameters that drift apart)."""
-    from smp.nn.functional import random_streams, set_random_streams
+    from smp.core.rng import random_streams, set_random_streams
 
     streams = random_streams()
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
@@ -283,22 +284,8 @@ def trace_modules(
     Raises:
         RuntimeError: the forward failed; the message names the module it failed in.
     """
-    global _tracing
-    with _preserved_state(module), torch.no_grad():
-        _tracing += 1
-        try:
-            return _traced(module, run_forward, trace_execution_times, warmup_runs)
-        finally:
-            _tracing -= 1
-
-
-_tracing = 0  # tracing passes running (smp.is_tracing)
-
-
-def is_tracing() -> bool:
-    """Whether the model runs for smp's tracing pass (partitioning), not for training: code
-    that must not run then (logging, counters, data-dependent asserts) can check it."""
-    return _tracing > 0
+    with _preserved_state(module), torch.no_grad(), tracing_pass():
+        return _traced(module, run_forward, trace_execution_times, warmup_runs)
 
 
 def _traced(module, run_forward, trace_execution_times: bool, warmup_runs: int) -> dict:
@@ -354,7 +341,7 @@ class _UnionFind:
 def _atomic(module: nn.Module) -> bool:
     """Whether ``module``'s forward must run whole on one stage: a tensor-parallel region
     (``_smp_atomic``) or a checkpointed module (its recompute runs in its owner's backward)."""
-    from smp import activations
+    from smp.memory import activations
 
     return bool(getattr(module, "_smp_atomic", False)) or activations.is_checkpointed(module)
 

@@ -32,17 +32,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from smp import delayed
-from smp.nn import functional as tpf
-from smp.nn.modules import DistributedEmbedding, DistributedModule
-from smp.nn.region import (
+from smp.memory import delayed
+from smp.tp import functional as tpf
+from smp.tp.modules import DistributedEmbedding, DistributedModule
+from smp.tp.region import (
     DivergentArgumentsError,
     _exchange,
     _region_scope,
     batch_is_shared,
     in_region,
 )
-from smp.nn.subclasses import computes_linear, own_forward, with_parameters
+from smp.tp.subclasses import computes_linear, own_forward, with_parameters
 
 __all__ = ["VocabParallelHead", "causal_lm_loss", "full_logits", "distribute_lm_head"]
 
@@ -243,7 +243,7 @@ def _agree_on_batch(root: nn.Module, labels, arguments: dict) -> int:
 
 
 def _marked(module: nn.Module) -> bool:
-    from smp.tensor_parallel import _MARK
+    from smp.tp.registry import _MARK
 
     return isinstance(getattr(module, _MARK, None), dict)
 

@@ -1,8 +1,8 @@
 """smp's glue to torch.distributed.checkpoint (DCP), imported only when a checkpoint is saved or
 loaded: tensor-parallel shards described to DCP's planners as the chunks of the full tensor they
-are, and a file-system writer that records each file's size and CRC-32C (smp.checkpoints); a
-reader that checks them and runs no code from the checkpoint (DCP's own unpickles ``.metadata``
-and its byte items with plain pickle)."""
+are, and a file-system writer that records each file's size and CRC-32C
+(smp.checkpoints.integrity); a reader that checks them and runs no code from the checkpoint
+(DCP's own unpickles ``.metadata`` and its byte items with plain pickle)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 from torch.futures import Future
 
-from smp.checkpoints import _crc, _digest, _load_plain
+from smp.checkpoints.integrity import CheckpointError, _crc, _digest, _load_plain
 
 # ---- tensor-parallel shards as DCP chunks --------------------------------------------------------
 
@@ -282,8 +282,6 @@ class _MetadataUnpickler(pickle.Unpickler):
             dtype = getattr(torch, name, None)
             found = dtype if isinstance(dtype, torch.dtype) else None
         if found is None:
-            from smp.checkpoints import CheckpointError
-
             raise CheckpointError(
                 f"refused the global {module}.{name}: DCP's metadata holds only its own classes "
                 "(smp loads no code from a checkpoint); this file was not written by "
@@ -305,8 +303,6 @@ class _Reader(dcp.FileSystemReader):
         self.metadata_error: Exception | None = None
 
     def read_metadata(self) -> Metadata:  # no rank=: smp writes one global .metadata
-        from smp.checkpoints import CheckpointError
-
         path = Path(self.path) / ".metadata"
         with open(path, "rb") as f:
             try:
@@ -326,7 +322,6 @@ class _Reader(dcp.FileSystemReader):
 
     def read_data(self, plan, planner):
         from smp import _C
-        from smp.checkpoints import CheckpointError
 
         by_file: dict[str, list] = {}
         for item in plan.items:

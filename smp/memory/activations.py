@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp import tree
+from smp.core import tree
+from smp.core.tracing import is_tracing
 
 __all__ = [
     "CheckpointOptions",
@@ -117,7 +118,7 @@ class Frame:
     recomputed tensor lives until the graph drops the handle that stands for it."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, preserve_rng: bool):
-        from smp.nn.functional import random_streams
+        from smp.core.rng import random_streams
 
         self.fn = fn
         self.inputs = tree.map_tensors(_detached, (args, kwargs))
@@ -157,7 +158,7 @@ class Frame:
                 self.modified = tuple(t.shape)
 
     def recompute(self) -> None:
-        from smp.nn.functional import random_streams, set_random_streams
+        from smp.core.rng import random_streams, set_random_streams
 
         if self.offloaded is not None:
             self.offloaded.load(self)  # not brought back in time: now, on this thread
@@ -225,8 +226,6 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, preserve_rng_state: b
     with the random streams (torch's and smp's TP generators) and autocast state it had. Runs
     plainly when nothing would be saved (grad off, tracing) or inside another checkpointed
     call (the outer recompute runs it again anyway)."""
-    from smp.partitioning import is_tracing
-
     if _depth() or not torch.is_grad_enabled() or is_tracing():
         return fn(*args, **kwargs)
     frame = Frame(fn, args, kwargs, preserve_rng_state)
@@ -240,12 +239,12 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, preserve_rng_state: b
 
 def _offloader():
     """The activation offloader of this rank when ``offload_activations`` is on (activation
-    offloading lives in :mod:`smp.offload`)."""
+    offloading lives in :mod:`smp.memory.offload`)."""
     from smp.state import get_state, is_initialized
 
     if not is_initialized() or not get_state().config.offload_activations:
         return None
-    from smp import offload
+    from smp.memory import offload
 
     return offload.current()
 
@@ -346,9 +345,7 @@ def _check_strategy(where: str, strategy: Any) -> None:
 
 
 def _unwrapped(module: Any, where: str) -> nn.Module:
-    from smp.model import DistributedModel
-
-    if isinstance(module, DistributedModel):
+    if getattr(type(module), "_smp_distributed_model", False):  # smp.DistributedModel itself
         raise ValueError(
             f"{where}: got the smp.DistributedModel itself; pass one of its modules (e.g. each "
             "transformer layer, reached through model.get_module())"

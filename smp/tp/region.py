@@ -78,8 +78,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from smp import tree
-from smp.nn import functional as tpf
+from smp.core import tree
+from smp.tp import functional as tpf
 
 __all__ = ["in_region", "batch_is_shared", "run_region", "region_name", "DivergentArgumentsError"]
 

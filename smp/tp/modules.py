@@ -15,7 +15,7 @@ Batch semantics (api.md): by default each rank of a TP group holds different sam
 outermost distributed module (the "TP region") all-gathers the group's batch on entry and hands
 each rank its own samples back on exit; when the ranks' arguments differ (a padding mask on one
 rank, None on another; other lengths), it runs each rank's arguments in turn instead
-(smp/nn/region.py). With ``prescaled_batch=True`` all ranks already hold the same batch and
+(smp/tp/region.py). With ``prescaled_batch=True`` all ranks already hold the same batch and
 nothing is gathered.
 
 Parameters carry two attributes that smp reads:
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from smp import kernels
-from smp.nn import functional as tpf
-from smp.nn.region import _region_scope, batch_is_shared, in_region, run_region
+from smp.tp import functional as tpf
+from smp.tp.region import _region_scope, batch_is_shared, in_region, run_region
 
 __all__ = [
     "DistributedModule",
@@ -59,7 +59,7 @@ _OPTIMIZE = ("speed", "memory")
 
 # ---- regions ------------------------------------------------------------------------------------
 # The region entry and exit (smp's batch semantics, and the agreement of the TP ranks on a
-# region's arguments) live in smp/nn/region.py.
+# region's arguments) live in smp/tp/region.py.
 
 
 def _config_optimize() -> str:
@@ -866,7 +866,7 @@ class DistributedTransformerLayer(_LayerCall, DistributedModule):
         super().__init__(group)
         _check_norms(pre_layernorm, post_layernorm)
         if use_alibi:
-            from smp._unbuilt import fail
+            from smp.core.unbuilt import fail
 
             fail("smp.nn.DistributedTransformerLayer(use_alibi=True)", "ALiBi attention biases")
         self.optimize = _check_optimize(optimize)

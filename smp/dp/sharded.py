@@ -122,7 +122,7 @@ def _own_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     """A unit's output tensors that are views (a tensor-parallel block's chunk of its group's
     batch) as tensors of their own: FSDP2 hooks them for the unit's backward, and an in-place
     op on a view would drop that hook."""
-    from smp import tree
+    from smp.core import tree
 
     return tree.map_tensors(lambda t: t.clone() if t._is_view() else t, output)
 

@@ -1,6 +1,6 @@
 """Activation offloading (``offload_activations``, ``activation_loading_horizon``; design.md §7b).
 
-What moves: the inputs a checkpointed call keeps for its recompute (:class:`smp.activations.
+What moves: the inputs a checkpointed call keeps for its recompute (:class:`smp.memory.activations.
 Frame`), the only activations a checkpointed model keeps between its forward and its backward.
 When: a microbatch's frames on this rank go to host memory when its forward here is done (a
 served call replies; the leader's step function calls ``model.backward``); they come back when
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from smp import tree
+from smp.core import tree
 
 __all__ = ["Offloader", "current", "Move"]
 

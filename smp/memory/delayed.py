@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from smp import tree
+from smp.core import tree
 
 __all__ = ["delay_param_initialization", "materialize", "Record", "Derived"]
 
@@ -475,7 +475,7 @@ class Derived:
     def replay(self, base: torch.Tensor | None = None, pool: dict | None = None) -> torch.Tensor:
         """This rank's shard (in ``base`` when its size fits); the whole source replays into a
         storage of ``pool`` when one of its size is there, and goes back to it after."""
-        from smp.nn.functional import shard_tensor
+        from smp.core.shards import shard_tensor
 
         full = _replayed_into_pool(self.source, pool)
         shard = shard_tensor(full, self.split[0], self.split[1], self.size, self.rank)

@@ -1,0 +1,2 @@
+"""The memory savers that work on one module's activations and parameters: activation
+checkpointing, activation offloading and delayed parameter initialisation."""

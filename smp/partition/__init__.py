@@ -1,0 +1,1 @@
+"""The tracer and the partitioner: which stage owns each module."""
