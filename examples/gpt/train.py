@@ -11,8 +11,9 @@ or single-process (smp.init runs world size 1 without the torchrun environment):
     python examples/gpt/train.py
 
 Rank 0 prints which blocks were split, the partition report after the first step, progress (a
-redrawn bar on a terminal, a line every --log-every steps otherwise), the validation loss at the
-start and the end, and one summary line. The job exits non-zero if the training loss did not fall.
+tqdm bar with the loss and tokens/s, and a line every --log-every steps), the validation loss at
+the start and the end, and one summary line. The job exits non-zero if the training loss did not
+fall.
 
 Shape suffix legend: B batch, T sequence length, V vocabulary (256 bytes), N bytes in a split.
 """
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 try:
@@ -51,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", type=Path, default=HERE / "data" / "tiny.txt")
-    p.add_argument("--log-every", type=int, default=10, help="steps between lines when not a TTY")
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     p.add_argument(
         "--pp",
         type=int,
@@ -144,10 +146,10 @@ def dp_mean(value: float) -> float:
     return sum(values) / len(values)
 
 
-def progress_line(step: int, total: int, loss: float, tok_s: float, width: int = 20) -> str:
-    done = width * step // total
-    bar = "=" * done + (">" if done < width else "") + " " * (width - done - 1)
-    return f"step {step}/{total} [{bar[:width]}] loss {loss:.2f} | {tok_s:.0f} tok/s"
+def say(line: str) -> None:
+    """Rank 0's line above the progress bar (tqdm.write), flushed at once like the others."""
+    tqdm.write(line)
+    sys.stdout.flush()
 
 
 def print_memory(model, optimizer, args) -> None:
@@ -254,7 +256,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             val_loss = dp_mean(eval_step(model, val_x_BT, val_y_BT).reduce_mean().item())
         if is_main:
-            print(f"{label}val loss {val_loss:.3f}", flush=True)
+            say(f"{label}val loss {val_loss:.3f}")
         return val_loss
 
     evaluate("start: ")
@@ -262,12 +264,12 @@ def main(argv=None) -> int:
     # Every data-parallel replica (the dp group includes the tp ranks, each of which is fed its
     # own batch) consumes batch_size * seq_len tokens per step.
     tokens_per_step = args.batch_size * args.seq_len * dp
-    tty = sys.stdout.isatty()
     first_loss = loss_val = float("nan")
     train_time = 0.0
-    last_len = 0
     last = start + args.steps
-    for step in range(start + 1, last + 1):
+    steps = range(start + 1, last + 1)  # the bar counts from `start`, as a resumed run does
+    bar = tqdm(steps, desc="gpt", total=last, initial=start, disable=not is_main)
+    for step in bar:
         t0 = time.perf_counter()
         gen = make_generator(args.seed, step, smp.dp_rank())
         x_BT, y_BT = sample_batch(train_N, args.batch_size, args.seq_len, gen)
@@ -282,19 +284,13 @@ def main(argv=None) -> int:
         if step == start + 1:
             first_loss = loss_val
             if is_main and pp > 1:  # the model was partitioned by this first step
-                print(model.partition_report(), flush=True)
+                say(model.partition_report())
         if is_main:
-            line = progress_line(
-                step, last, loss_val, (step - start) * tokens_per_step / train_time
-            )
-            if tty:  # pad so a shorter line fully covers the previous one
-                print("\r" + line.ljust(last_len), end="\n" if step == last else "", flush=True)
-                last_len = len(line)
-            elif step % args.log_every == 0 or step == last:
-                print(line, flush=True)
+            tok_s = (step - start) * tokens_per_step / train_time
+            bar.set_postfix({"loss": f"{loss_val:.2f}", "tok/s": f"{tok_s:.0f}"})
+            if step % args.log_every == 0 or step == last:
+                say(f"step {step}/{last}  loss {loss_val:.2f}  {tok_s:.0f} tok/s")
         if args.eval_every and step % args.eval_every == 0 and step != last:
-            if is_main and tty:
-                print()
             evaluate(f"step {step}: ")
 
     evaluate("end: ")
