@@ -227,11 +227,11 @@ def _traffic(step, batch, paths: list[str]) -> dict[str, list[int]]:
     """What this rank's pipeline sends to other stages in one step, by message: "REQUEST
     <module path>" (the module index resolved with ``paths``), "REPLY", "GRAD_OUT", "GRAD_IN",
     ... -> [bytes of its tensors, messages]."""
-    from smp.pipeline import runtime
+    from smp.pipeline import protocol
     from smp.pipeline.sender import Sender
 
-    kinds = {runtime.REQUEST: "REQUEST", runtime.REPLY: "REPLY", runtime.GRAD_OUT: "GRAD_OUT"}
-    kinds.update({runtime.GRAD_IN: "GRAD_IN", runtime.STEP_END: "STEP_END"})
+    kinds = {protocol.REQUEST: "REQUEST", protocol.REPLY: "REPLY", protocol.GRAD_OUT: "GRAD_OUT"}
+    kinds.update({protocol.GRAD_IN: "GRAD_IN", protocol.STEP_END: "STEP_END"})
     sent: dict[str, list[int]] = {}
     original = Sender.send
 

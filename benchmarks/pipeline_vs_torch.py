@@ -322,7 +322,7 @@ def _forward_time(reps: int = 5) -> float:
 
 def _recording_cost(n: int = 100_000) -> float:
     """Seconds the runtime's timeline recorder spends per piece (one begin and one end)."""
-    from smp.pipeline.runtime import _Recorder
+    from smp.pipeline.workers import _Recorder
 
     recorder = _Recorder()
     start = time.perf_counter()

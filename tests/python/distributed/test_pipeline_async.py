@@ -64,11 +64,11 @@ def _place(model: Chain, smp) -> None:
 
 def _chain_worker(options: dict, microbatches: int):
     import smp
-    from smp.pipeline import runtime
+    from smp.pipeline import runtime, workers
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": microbatches} | options)
     waits, fetches = [0], [0]
-    wait_for = runtime._Worker.wait_for
+    wait_for = workers._Worker.wait_for
     await_values = runtime.PipelineRuntime._await_values
 
     def counting_wait_for(self, call):
@@ -79,7 +79,7 @@ def _chain_worker(options: dict, microbatches: int):
         fetches[0] += not call.push and call.fetch is None
         return await_values(self, call)
 
-    runtime._Worker.wait_for = counting_wait_for
+    workers._Worker.wait_for = counting_wait_for
     runtime.PipelineRuntime._await_values = counting_await_values
     try:
         per_step = exact_steps(
@@ -89,7 +89,7 @@ def _chain_worker(options: dict, microbatches: int):
         )  # fmt: skip
         return [w for w, _ in per_step], [f for _, f in per_step]
     finally:
-        runtime._Worker.wait_for = wait_for
+        workers._Worker.wait_for = wait_for
         runtime.PipelineRuntime._await_values = await_values
 
 
@@ -159,7 +159,7 @@ class UsesFlakyInAChain(UsesFlaky):
     """``flaky`` between two blocks of its stage: its input comes from there, its outputs stay
     there, and its other argument (``skip``, from the leader's stage) gets no gradient while
     it ignores it, so once the leader has learned all that, its calls are quiet (Note [Quiet
-    calls] in smp/pipeline/runtime.py): its stage sends no REPLY and no GRAD_IN for them. The
+    calls] in smp/pipeline/protocol.py): its stage sends no REPLY and no GRAD_IN for them. The
     root calls ``flaky.helper`` (so that the partitioner places it where it is pinned)."""
 
     def __init__(self):
@@ -190,15 +190,15 @@ def _flaky_models(smp, kind: str = "pushed"):
 
 def _structure_worker(kind: str):
     import smp
-    from smp.pipeline import runtime
+    from smp.pipeline import protocol, runtime, workers
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
     module, reference, model = _flaky_models(smp, kind)
-    with _count_sent(runtime, 1, 0, (runtime.REPLY, runtime.GRAD_IN)) as replies:
-        return _structure_steps(smp, runtime, module, reference, model, kind, replies)
+    with _count_sent(runtime, 1, 0, (protocol.REPLY, protocol.GRAD_IN)) as replies:
+        return _structure_steps(smp, workers, module, reference, model, kind, replies)
 
 
-def _structure_steps(smp, runtime, module, reference, model, kind, replies):
+def _structure_steps(smp, workers, module, reference, model, kind, replies):
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
 
@@ -232,8 +232,8 @@ def _structure_steps(smp, runtime, module, reference, model, kind, replies):
         # Each microbatch draws from its own stream, keyed by one draw of the leader's
         # generator per step (design.md §4j); a rerun restores the generator first.
         torch.manual_seed(100 + step)
-        base = int(torch.randint(0, runtime._MASK, (), dtype=torch.int64))
-        streams = [torch.Generator().manual_seed(runtime._mix(base, mb)) for mb in range(2)]
+        base = int(torch.randint(0, workers._MASK, (), dtype=torch.int64))
+        streams = [torch.Generator().manual_seed(workers._mix(base, mb)) for mb in range(2)]
         expected = [torch.rand((), generator=stream) for stream in streams]
         ref_optimizer.zero_grad()
         ref_loss = 0.0
@@ -373,7 +373,7 @@ class FourStages(nn.Module):
 
 def _four_stage_worker(microbatches: int):
     import smp
-    from smp.pipeline import runtime
+    from smp.pipeline import protocol, runtime, workers
 
     smp.init({"pipeline_parallel_degree": 4, "microbatches": microbatches, "timeout_s": 60})
     counts = {"waits": 0, "fetches": 0, "peer_inputs": 0, "overtaken": 0}
@@ -381,7 +381,7 @@ def _four_stage_worker(microbatches: int):
     held: dict[int, tuple] = {}
     fetched: set[int] = set()
     saved = (
-        runtime._Worker.wait_for,
+        workers._Worker.wait_for,
         runtime.PipelineRuntime._await_values,
         runtime.PipelineRuntime._peer_input_arrived,
         runtime.PipelineRuntime._serve,
@@ -409,13 +409,13 @@ def _four_stage_worker(microbatches: int):
                 return
             counts["overtaken"] += 1
         serve(self, worker_id, peer, header, tensors)
-        if hold[0] and header[3] == runtime._FETCH and header[8] == 0:
+        if hold[0] and header[3] == protocol._FETCH and header[8] == 0:
             fetched.add(header[9])
             if header[9] in held:
                 counts["overtaken"] += 1
                 serve(self, *held.pop(header[9]))
 
-    runtime._Worker.wait_for = counting_wait_for
+    workers._Worker.wait_for = counting_wait_for
     runtime.PipelineRuntime._await_values = counting_await_values
     runtime.PipelineRuntime._peer_input_arrived = counting_peer_input_arrived
     runtime.PipelineRuntime._serve = reordering_serve
@@ -437,7 +437,7 @@ def _four_stage_worker(microbatches: int):
         return per_step
     finally:
         (
-            runtime._Worker.wait_for,
+            workers._Worker.wait_for,
             runtime.PipelineRuntime._await_values,
             runtime.PipelineRuntime._peer_input_arrived,
             runtime.PipelineRuntime._serve,
@@ -480,7 +480,7 @@ class Dangling(nn.Module):
 
 def _dangling_worker():
     import smp
-    from smp.pipeline import runtime
+    from smp.pipeline import protocol, runtime
 
     smp.init({"pipeline_parallel_degree": 3, "microbatches": 4, "timeout_s": 30})
     send = runtime.Sender.send
@@ -489,12 +489,12 @@ def _dangling_worker():
     replies = [0]  # REPLYs from stage 2 to the leader this step
 
     def reordering_send(self, to, header, tensors, wait=False):
-        replies[0] += smp.pp_rank() == 2 and to == 0 and header[0] == runtime.REPLY
-        if late[0] and to == 2 and header[0] == runtime.GRAD_OUT:
+        replies[0] += smp.pp_rank() == 2 and to == 0 and header[0] == protocol.REPLY
+        if late[0] and to == 2 and header[0] == protocol.GRAD_OUT:
             held.append((self, to, header, tensors))
             return None
         send(self, to, header, tensors, wait)
-        if header[0] == runtime.STEP_END:
+        if header[0] == protocol.STEP_END:
             while held:
                 send(*held.pop(0))
         return None
@@ -540,7 +540,7 @@ class HeadOnStage1(nn.Module):
 
 def _backward_from_futures_worker():
     import smp
-    from smp.pipeline import runtime
+    from smp.pipeline import calls, runtime
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
     torch.manual_seed(0)
@@ -558,7 +558,7 @@ def _backward_from_futures_worker():
     def counting_backward(self, tensors, grad_tensors):
         roots = tensors if isinstance(tensors, (list, tuple)) else [tensors]
         unarrived[0] += sum(
-            isinstance(t, runtime._Future) and t._smp_call.values is None for t in roots
+            isinstance(t, calls._Future) and t._smp_call.values is None for t in roots
         )
         return backward(self, tensors, grad_tensors)
 
@@ -872,7 +872,8 @@ class Memo(nn.Module):
 
 def _memo_worker(send_once: bool, root: int = 0):
     import smp
-    from smp.core import messages, runtime
+    from smp.core import messages
+    from smp.pipeline import protocol, runtime
     from smp.pipeline.sender import Sender
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
@@ -881,7 +882,7 @@ def _memo_worker(send_once: bool, root: int = 0):
     send = Sender.send
 
     def counting_send(self, peer, header, tensors, wait=False):
-        if header[0] == runtime.REQUEST and header[3] != runtime._FETCH:
+        if header[0] == protocol.REQUEST and header[3] != protocol._FETCH:
             refs = header[7 : 7 + 4 * header[6]]
             counts["again"] += sum(1 for stage in refs[1::4] if stage == messages.INPUT)
             counts["payload"] += len(tensors) - 1  # the skeleton aside

@@ -101,17 +101,18 @@ def _parity_worker(name: str, pp: int, microbatches: int, dp: int = 1):
         model.backward(out.loss)
         return out.loss
 
-    from smp.core import messages, runtime
+    from smp.core import messages
+    from smp.pipeline import protocol
     from smp.pipeline.sender import Sender
 
     again = [0]  # tensors that went as references to an earlier request's (tensors sent once)
-    quiet = [0]  # requests sent quiet (Note [Quiet calls] in runtime.py)
+    quiet = [0]  # requests sent quiet (Note [Quiet calls] in smp/pipeline/protocol.py)
     send = Sender.send
 
     def counting_send(self, peer, header, tensors, wait=False):
-        if header[0] == runtime.REQUEST and header[3] != runtime._FETCH:
+        if header[0] == protocol.REQUEST and header[3] != protocol._FETCH:
             again[0] += list(header[8 : 7 + 4 * header[6] : 4]).count(messages.INPUT)
-            quiet[0] += bool(header[5] & runtime._QUIET)
+            quiet[0] += bool(header[5] & protocol._QUIET)
         return send(self, peer, header, tensors, wait)
 
     def reference_loss(step: int, replica: int):

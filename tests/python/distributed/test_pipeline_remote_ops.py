@@ -1,5 +1,5 @@
 """Ops on another stage's outputs run there (design.md §4c, Note [Ops on futures run where the
-value is] in smp/pipeline/runtime.py): an unmodified Hugging Face Llama trained with
+value is] in smp/pipeline/calls.py): an unmodified Hugging Face Llama trained with
 ``model(input_ids=x, labels=x).loss`` (the loss in the root's forward, on stage 0, while the head
 is on stage 1) leaves its logits on stage 1, and still equals one process: the loss every step
 and the full state dict after each of four AdamW steps, on data whose padding differs per

@@ -1,11 +1,11 @@
-"""The pipeline runtime's worker threads (smp.pipeline.runtime._Threads) and the baton they pass
+"""The pipeline runtime's worker threads (smp.pipeline.workers._Threads) and the baton they pass
 (_Baton)."""
 
 from __future__ import annotations
 
 import threading
 
-from smp.pipeline.runtime import _Baton, _Threads
+from smp.pipeline.workers import _Baton, _Threads
 
 
 class _FakeWorker:
