@@ -1,7 +1,7 @@
 """smp.nn: distributed (tensor-parallel) modules. Sizes are always global.
 
-See :mod:`smp.tp.modules` for the layouts and batch semantics, and :mod:`smp.tp.functional` for
-the communication primitives they are built from.
+See :mod:`smp.tp.modules` for the batch semantics, :mod:`smp.tp.transformer` for the transformer
+layouts, and :mod:`smp.tp.functional` for the communication primitives they are built from.
 """
 
 import torch
@@ -10,11 +10,13 @@ from smp.core.unbuilt import placeholder
 from smp.nn import huggingface
 from smp.tp.functional import vocab_parallel_cross_entropy
 from smp.tp.modules import (
-    DistributedAttentionLayer,
     DistributedEmbedding,
     DistributedLayerNorm,
     DistributedLinear,
     DistributedModule,
+)
+from smp.tp.transformer import (
+    DistributedAttentionLayer,
     DistributedTransformer,
     DistributedTransformerLayer,
     DistributedTransformerLMHead,

@@ -46,8 +46,8 @@ from smp.tp.modules import (
     DistributedLayerNorm,
     DistributedLinear,
     DistributedModule,
-    run_region,
 )
+from smp.tp.region import run_region
 from smp.tp.subclasses import computes_linear, own_forward
 
 __all__ = [

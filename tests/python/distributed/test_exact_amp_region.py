@@ -262,8 +262,8 @@ def _region_worker(kind: str) -> dict:
     """A column-parallel module whose shards scale by the value: a rank running another rank's
     value on its shard shows as a column block of the wrong scale."""
     import smp
-    from smp.nn import region
     from smp.tp import functional as tpf
+    from smp.tp import region
 
     class Scaled(smp.nn.DistributedModule):
         def __init__(self, weight: torch.Tensor):

@@ -125,7 +125,7 @@ class _CountRunsInTurn:
     """Counts the regions that ran each rank's arguments in turn (the agreement's slow path)."""
 
     def __enter__(self):
-        from smp.nn import region
+        from smp.tp import region
 
         self.count, self._original = 0, region._run_in_turn
 
@@ -137,7 +137,7 @@ class _CountRunsInTurn:
         return self
 
     def __exit__(self, *exc):
-        from smp.nn import region
+        from smp.tp import region
 
         region._run_in_turn = self._original
 
