@@ -13,9 +13,14 @@ A float16 / bfloat16 model's optimizer steps float32 master weights (design.md Â
 the model's gradients only when asked: ``unscale_`` first copies them in (so torch's unscaling
 and inf check see this step's gradients, not the masters' empty ones), then unscales the
 masters' gradients.
+
+:class:`LossScaler` is the loss scale of ``smp.DistributedOptimizer``'s own fp16 loss scaling
+(SMP v1's ``static_loss_scale`` / ``dynamic_loss_scale`` arguments).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,3 +91,69 @@ class GradScaler(torch.amp.GradScaler):
             if hasattr(optimizer, "_smp_copied_grads"):
                 # A skipped step never reaches optimizer.step(), which would have cleared it.
                 optimizer._smp_copied_grads = None
+
+
+class LossScaler:
+    """SMP v1's fp16 loss scale: static, or dynamic with its arguments and defaults.
+
+    Dynamic: starts at ``init_scale``; an overflow lowers it by ``scale_factor`` (not below
+    ``min_scale``) once ``delayed_shift`` overflows have been seen (the hysteresis; with
+    ``consecutive_hysteresis`` only consecutive ones count), and ``scale_window`` steps in a row
+    without one raise it by ``scale_factor``.
+    """
+
+    DEFAULTS = dict(
+        init_scale=2.0**32,
+        scale_factor=2.0,
+        scale_window=1000,
+        min_scale=1.0,
+        delayed_shift=1,
+        consecutive_hysteresis=False,
+    )
+
+    def __init__(self, static_loss_scale: float | None, dynamic: bool, args: dict[str, Any]):
+        unknown = sorted(set(args) - set(self.DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"smp.DistributedOptimizer: unknown dynamic_loss_args {unknown}; known: "
+                f"{sorted(self.DEFAULTS)}"
+            )
+        options = {**self.DEFAULTS, **args}
+        self.dynamic = bool(dynamic)
+        if not self.dynamic and (static_loss_scale is None or not static_loss_scale > 0):
+            raise ValueError(
+                "smp.DistributedOptimizer: static_loss_scale must be > 0 (or dynamic_loss_scale="
+                f"True), got {static_loss_scale!r}"
+            )
+        self.scale = float(options["init_scale"] if self.dynamic else static_loss_scale)
+        self.factor = float(options["scale_factor"])
+        self.window = int(options["scale_window"])
+        self.min_scale = float(options["min_scale"])
+        self.delayed_shift = int(options["delayed_shift"])
+        self.consecutive = bool(options["consecutive_hysteresis"])
+        self.hysteresis = self.delayed_shift
+        self.good_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            self.good_steps = 0
+            if self.hysteresis <= 1:
+                self.scale = max(self.scale / self.factor, self.min_scale)
+                self.hysteresis = self.delayed_shift
+            else:
+                self.hysteresis -= 1
+            return
+        if self.consecutive:
+            self.hysteresis = self.delayed_shift
+        self.good_steps += 1
+        if self.good_steps % self.window == 0:
+            self.scale *= self.factor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("scale", "hysteresis", "good_steps")}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        for key, value in saved.items():
+            setattr(self, key, value)

@@ -8,116 +8,31 @@ add ``clip_grad_norm_`` over the global gradient norm and make ``state_dict()`` 
 (gathered over the pipeline and tensor-parallel groups) with ``local_state_dict()`` this rank's.
 
 With ``shard_optimizer_state`` (ZeRO-1) every parameter of a stage belongs to one rank of the
-group holding the same parameters (rdp, :func:`balance_owners`): only its owner keeps its
-optimizer state and updates it, then broadcasts the new values to the group.
+group holding the same parameters (rdp): only its owner keeps its optimizer state and updates
+it, then broadcasts the new values to the group (:mod:`smp.dp.optimizer_state`, which also
+gathers the full state dict and cuts each rank's part from it).
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from smp import amp
 from smp.checkpoints.keys import MASTER_KEY, PARTIAL_KEY, SCALER_KEY, SHARD_KEY
-from smp.dp import sharded
+from smp.dp import optimizer_state, sharded
 from smp.state import get_state
 
-__all__ = ["DistributedOptimizer", "balance_owners"]
+__all__ = ["DistributedOptimizer"]
 
 logger = logging.getLogger("smp")
 
 _classes: dict[type, type] = {}
-_DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
-
-
-def balance_owners(sizes: Sequence[int], ranks: int) -> list[int]:
-    """The owner (0 .. ranks - 1) of each item of ``sizes``: largest item first (ties: the lower
-    index first), each to the least loaded rank so far (ties: the lower rank). Deterministic, so
-    every rank computing it from the same sizes gets the same answer. The largest load is at
-    most the ideal share ``sum / ranks`` plus one item."""
-    if ranks < 1:
-        raise ValueError(f"balance_owners: ranks must be >= 1, got {ranks}")
-    owners = [0] * len(sizes)
-    loads = [(0, rank) for rank in range(ranks)]  # a heap of (load, rank)
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        load, rank = heapq.heappop(loads)
-        owners[index] = rank
-        heapq.heappush(loads, (load + sizes[index], rank))
-    return owners
-
-
-class LossScaler:
-    """SMP v1's fp16 loss scale: static, or dynamic with its arguments and defaults.
-
-    Dynamic: starts at ``init_scale``; an overflow lowers it by ``scale_factor`` (not below
-    ``min_scale``) once ``delayed_shift`` overflows have been seen (the hysteresis; with
-    ``consecutive_hysteresis`` only consecutive ones count), and ``scale_window`` steps in a row
-    without one raise it by ``scale_factor``.
-    """
-
-    DEFAULTS = dict(
-        init_scale=2.0**32,
-        scale_factor=2.0,
-        scale_window=1000,
-        min_scale=1.0,
-        delayed_shift=1,
-        consecutive_hysteresis=False,
-    )
-
-    def __init__(self, static_loss_scale: float | None, dynamic: bool, args: dict[str, Any]):
-        unknown = sorted(set(args) - set(self.DEFAULTS))
-        if unknown:
-            raise ValueError(
-                f"smp.DistributedOptimizer: unknown dynamic_loss_args {unknown}; known: "
-                f"{sorted(self.DEFAULTS)}"
-            )
-        options = {**self.DEFAULTS, **args}
-        self.dynamic = bool(dynamic)
-        if not self.dynamic and (static_loss_scale is None or not static_loss_scale > 0):
-            raise ValueError(
-                "smp.DistributedOptimizer: static_loss_scale must be > 0 (or dynamic_loss_scale="
-                f"True), got {static_loss_scale!r}"
-            )
-        self.scale = float(options["init_scale"] if self.dynamic else static_loss_scale)
-        self.factor = float(options["scale_factor"])
-        self.window = int(options["scale_window"])
-        self.min_scale = float(options["min_scale"])
-        self.delayed_shift = int(options["delayed_shift"])
-        self.consecutive = bool(options["consecutive_hysteresis"])
-        self.hysteresis = self.delayed_shift
-        self.good_steps = 0
-
-    def update(self, overflow: bool) -> None:
-        if not self.dynamic:
-            return
-        if overflow:
-            self.good_steps = 0
-            if self.hysteresis <= 1:
-                self.scale = max(self.scale / self.factor, self.min_scale)
-                self.hysteresis = self.delayed_shift
-            else:
-                self.hysteresis -= 1
-            return
-        if self.consecutive:
-            self.hysteresis = self.delayed_shift
-        self.good_steps += 1
-        if self.good_steps % self.window == 0:
-            self.scale *= self.factor
-
-    def state_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("scale", "hysteresis", "good_steps")}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        for key, value in saved.items():
-            setattr(self, key, value)
 
 
 def _distributed_class(cls: type) -> type:
@@ -137,9 +52,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: a torch.optim.Optimizer over the DistributedModel's parameters.
         static_loss_scale, dynamic_loss_scale, dynamic_loss_args: fp16 loss scaling, as in SMP
-            v1 (:class:`LossScaler`; the dynamic arguments may also come as keywords); unused
-            while ``fp16`` is off, as in v1. With ``fp16`` on, ``model.backward`` scales the
-            loss and ``step()`` unscales, skipping the step on every rank when any rank's
+            v1 (:class:`smp.amp.LossScaler`; the dynamic arguments may also come as keywords);
+            unused while ``fp16`` is off, as in v1. With ``fp16`` on, ``model.backward`` scales
+            the loss and ``step()`` unscales, skipping the step on every rank when any rank's
             gradients hold an inf or NaN.
 
     Raises:
@@ -175,7 +90,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer._smp_scaler = None
         optimizer._smp_unscaled = None  # this step's overflow, once unscaled (clip_grad_norm_)
         if state.config.fp16:
-            optimizer._smp_scaler = LossScaler(static_loss_scale, dynamic_loss_scale, args)
+            optimizer._smp_scaler = amp.LossScaler(static_loss_scale, dynamic_loss_scale, args)
             state.loss_scale = optimizer._smp_scaler.scale
         state.optimizers.append(optimizer)
         optimizer._take_held_state()  # a resume before this optimizer existed
@@ -231,30 +146,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- shard_optimizer_state (ZeRO-1) ---------------------------------------------------------
 
     def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
+        return optimizer_state.parameters(self)
 
     def _shard_owners(self) -> list[int | None] | None:
         """With ``shard_optimizer_state`` over more than one rdp rank: the rdp rank that owns
-        each optimizer parameter (by its index in the groups; None for a parameter another
-        pipeline stage holds), else None. Computed from the parameters' sizes alone, the same
-        on every rank of the rdp group and of the TP group (a TP shard has the same size on
-        every TP rank); recomputed when the live parameters change (a partition releases
-        those of other stages)."""
-        state = get_state()
-        if not state.config.shard_optimizer_state or state.axis_size("rdp") == 1:
-            return None
-        params = self._params()
-        key = tuple(p.numel() for p in params)
-        cached = getattr(self, "_smp_shard", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        live = [i for i, n in enumerate(key) if n > 0]
-        picks = balance_owners([key[i] for i in live], state.axis_size("rdp"))
-        owners: list[int | None] = [None] * len(params)
-        for index, rank in zip(live, picks):
-            owners[index] = rank
-        self._smp_shard = (key, owners)
-        return owners
+        each optimizer parameter (by index; None for another stage's), else None."""
+        return optimizer_state.owners(self)
 
     def _state_kept(self) -> set[int] | None:
         """The ids of the parameters whose optimizer state this rank keeps and updates: None
@@ -263,11 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if owners is None:
             return None
         params = self._params()
-        return {id(params[i]) for i in self._owned_indices(owners)}
-
-    def _owned_indices(self, owners: list[int | None]) -> list[int]:
-        rank = get_state().axis_rank("rdp")
-        return [i for i, owner in enumerate(owners) if owner == rank]
+        return {id(params[i]) for i in optimizer_state.owned_indices(owners)}
 
     def _model(self):
         """The newest DistributedModel holding this optimizer's parameters, or None."""
@@ -331,66 +224,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model = self._model()
         return model is None or model.partitioned
 
-    def _drop_unowned_state(self, owners: list[int | None]) -> None:
-        """Frees the state of every parameter this rank does not own (e.g. a full state loaded
-        before the partition decided the owners)."""
-        owned = set(self._owned_indices(owners))
-        for index, p in enumerate(self._params()):
-            if index not in owned:
-                self.state.pop(p, None)
-
-    def _sharded_step(self, closure, owners: list[int | None]):
-        """The optimizer's own step on the parameters this rank owns (the others' gradients
-        are hidden: torch optimizers skip a parameter without one and create no state for it),
-        then every owner's new values broadcast over the rdp group."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._drop_unowned_state(owners)
-        owned = set(self._owned_indices(owners))
-        hidden = []
-        for index, p in enumerate(self._params()):
-            if index not in owned and p.grad is not None:
-                hidden.append((p, p.grad))
-                p.grad = None
-        try:
-            super().step()
-        finally:
-            for p, grad in hidden:
-                p.grad = grad
-        self._broadcast_owned(owners)
-        return loss
-
-    def _broadcast_owned(self, owners: list[int | None]) -> None:
-        """Every owner's trainable parameters to the rest of the rdp group: per owner (in rdp
-        order) and per dtype, flat buffers of at most the model's ``bucket_cap_mb``; every rank
-        issues the same broadcasts in the same order."""
-        state = get_state()
-        group = state.groups["rdp"]
-        me = state.axis_rank("rdp")
-        model = self._model()
-        cap = model.bucket_bytes if model is not None else _DEFAULT_BUCKET_BYTES
-        params = self._params()
-        with torch.no_grad():
-            for owner in range(state.axis_size("rdp")):
-                src = state.world_rank_of("rdp", owner)
-                kinds: dict[tuple, list[torch.Tensor]] = {}
-                for index, p in enumerate(params):
-                    if owners[index] == owner and p.requires_grad:
-                        kinds.setdefault((p.dtype, p.device), []).append(p.detach())
-                for tensors in kinds.values():
-                    for bucket in _buckets(tensors, cap):
-                        if owner == me:
-                            flat = _flatten_dense_tensors(bucket)
-                        else:
-                            size = sum(t.numel() for t in bucket)
-                            flat = torch.empty(size, dtype=bucket[0].dtype, device=bucket[0].device)
-                        dist.broadcast(flat, src=src, group=group)
-                        if owner != me:
-                            for t, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                                t.copy_(value)
-
     def state_bytes(self) -> int:
         """Bytes of the optimizer state this rank holds (every tensor in ``self.state`` once):
         with ``shard_optimizer_state`` or sharded data parallelism, this rank's shard. Float32
@@ -413,7 +246,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if owners is None:
             result = super().step(closure)
         else:
-            result = self._sharded_step(closure, owners)
+            model = self._model()
+            cap = None if model is None else model.bucket_bytes
+            result = optimizer_state.step_owned(self, owners, self._algorithm_step, closure, cap)
         masters = getattr(self, "_smp_masters", None)
         if masters:
             with torch.no_grad():
@@ -539,11 +374,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         owners = self._shard_owners()
         if owners is None:
             return {**packed, **self._scaler_state(), PARTIAL_KEY: True}
-        owned = self._owned_indices(owners)
-        entries = {i: e for i, e in packed["state"].items() if i in set(owned)}
+        owned = optimizer_state.owned_indices(owners)
         return {
             **packed,
-            "state": entries,
+            "state": optimizer_state.only(packed["state"], owned),
             **self._scaler_state(),
             SHARD_KEY: owned,
             PARTIAL_KEY: True,
@@ -556,7 +390,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not masters:
             return packed
         entries = dict(packed["state"])
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = self._params()
         for index, p in enumerate(params):
             if id(p) in masters and p.numel() > 0:
                 entries[index] = {**entries.get(index, {}), MASTER_KEY: p.detach()}
@@ -564,7 +398,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _load_masters(self, entries: dict) -> dict:
         """Copies ``MASTER_KEY`` entries into the master weights; the entries without them."""
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = self._params()
         out = {}
         for index, entry in entries.items():
             entry = dict(entry)
@@ -592,31 +426,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the pipeline and tensor-parallel groups (and with ``shard_optimizer_state`` the rdp
         group): every rank must call it."""
         local = self._with_masters(super().state_dict())
-        state = get_state()
-        params = self._params()
-        entries = local["state"]
-        owners = self._shard_owners()
-        if owners is not None:  # each rank's own entries; masters from their owners too
-            owned = set(self._owned_indices(owners))
-            entries = {i: e for i, e in entries.items() if i in owned}
-        if sharded.enabled():  # whole tensors (collectives in index and key order)
-            entries = {
-                i: {k: sharded.full(v) for k, v in sorted(entries[i].items())}
-                for i in sorted(entries)
-            }
-        entries = _unshard(entries, params, state)
-        if owners is not None:
-            entries = {i: {k: _cpu(v) for k, v in e.items()} for i, e in entries.items()}
-            parts: list[Any] = [None] * state.axis_size("rdp")
-            dist.all_gather_object(parts, entries, group=state.groups["rdp"])
-            entries = {i: e for part in parts for i, e in part.items()}
-        if state.axis_size("pp") > 1:
-            entries = {i: {k: _cpu(v) for k, v in e.items()} for i, e in entries.items()}
-            stages: list[Any] = [None] * state.axis_size("pp")
-            dist.all_gather_object(stages, entries, group=state.groups["pp"])
-            entries = {i: e for part in stages for i, e in part.items()}
+        entries = optimizer_state.gather_full(local["state"], self._params(), self._shard_owners())
         return {
-            "state": dict(sorted(entries.items())),
+            "state": entries,
             "param_groups": local["param_groups"],
             **self._scaler_state(),
         }
@@ -635,45 +447,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         owners = self._shard_owners()
         if state_dict.get(PARTIAL_KEY, False):
-            self._check_shard(state_dict.get(SHARD_KEY), owners)
+            # Before the partition the owners are not decided: the first step checks nothing.
+            if self._partitioned():
+                optimizer_state.check_partial(state_dict.get(SHARD_KEY), owners)
             self._load_scaler_state(state_dict)
             drop = (PARTIAL_KEY, SCALER_KEY, SHARD_KEY)
             local = {k: v for k, v in state_dict.items() if k not in drop}
             local["state"] = self._load_masters(local["state"])
             return super().load_state_dict(local)
         self._load_scaler_state(state_dict)
-        state = get_state()
-        params = self._params()
-        live = {i for i, p in enumerate(params) if p.numel() > 0}
-        entries = {i: e for i, e in state_dict["state"].items() if int(i) in live}
-        entries = _shard(entries, params, state)
-        if sharded.enabled():  # this rank's chunk of each sharded parameter's state
-            entries = {
-                i: {k: sharded.like(v, params[int(i)]) for k, v in e.items()}
-                for i, e in entries.items()
-            }
+        entries = optimizer_state.take_local(state_dict["state"], self._params())
         entries = self._load_masters(entries)
         if owners is not None and self._partitioned():
             # Before a partition the owners are not final: the first step drops the others.
-            owned = set(self._owned_indices(owners))
-            entries = {i: e for i, e in entries.items() if int(i) in owned}
+            entries = optimizer_state.only(entries, optimizer_state.owned_indices(owners))
         super().load_state_dict({"state": entries, "param_groups": state_dict["param_groups"]})
-
-    def _check_shard(self, saved: list[int] | None, owners: list[int | None] | None) -> None:
-        if not self._partitioned():
-            return  # the owners are decided by the partition; the first step checks nothing
-        mine = None if owners is None else self._owned_indices(owners)
-        if saved is not None:
-            saved = [int(i) for i in saved]
-        if saved != mine:
-            state = get_state()
-            raise ValueError(
-                "optimizer.load_state_dict: this partial state (local_state_dict) holds the "
-                f"optimizer state of parameters {_brief(saved)}, but this rank (rdp rank "
-                f"{state.axis_rank('rdp')} of {state.axis_size('rdp')}, shard_optimizer_state="
-                f"{state.config.shard_optimizer_state}) keeps {_brief(mine)}: a partial state "
-                "loads on the layout that saved it; save state_dict() (full) to load on another"
-            )
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """SMP v1's clipping of the fp32 master gradients (its fp16 optimizer): smp's are the
@@ -766,72 +554,3 @@ def _master_weights(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.T
             params.append(master)
         group["params"] = params
     return masters
-
-
-def _brief(indices: list[int] | None) -> str:
-    if indices is None:
-        return "all (no sharding)"
-    shown = ", ".join(str(i) for i in indices[:6])
-    return f"[{shown}{', ...' if len(indices) > 6 else ''}] ({len(indices)})"
-
-
-def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
-    """``tensors`` in order, cut into runs of at most ``cap`` bytes (a larger tensor alone)."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if not buckets or size + nbytes > cap:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(t)
-        size += nbytes
-    return buckets
-
-
-def _cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
-
-
-def _split_of(param: torch.Tensor) -> tuple[int, int] | None:
-    return getattr(param, "_smp_tp_split", None)
-
-
-def _unshard(entries: dict, params: list, state) -> dict:
-    """Optimizer state with each tensor shaped like a TP-split parameter's shard joined to the
-    full shape (an all-gather over the TP group per tensor, in index order on every TP rank)."""
-    if state.axis_size("tp") == 1:
-        return entries
-    from smp.core.shards import gather_shards
-
-    group = state.groups["tp"]
-    out = {}
-    for index in sorted(entries):
-        entry, param = dict(entries[index]), params[index]
-        split = _split_of(param)
-        for key, value in sorted(entry.items()):
-            if split is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
-                entry[key] = gather_shards(value, *split, group)
-        out[index] = entry
-    return out
-
-
-def _shard(entries: dict, params: list, state) -> dict:
-    """The inverse of :func:`_unshard` for this TP rank: full-shape tensors of split
-    parameters cut to this rank's shard."""
-    if state.axis_size("tp") == 1:
-        return entries
-    from smp.core.shards import shard_tensor
-
-    n, r = state.axis_size("tp"), state.axis_rank("tp")
-    out = {}
-    for index, entry in entries.items():
-        param, entry = params[int(index)], dict(entry)
-        split = _split_of(param)
-        for key, value in entry.items():
-            if split is None or not isinstance(value, torch.Tensor) or value.dim() <= split[0]:
-                continue
-            if value.size(split[0]) == param.size(split[0]) * n:
-                entry[key] = shard_tensor(value, split[0], split[1], n, r)
-        out[index] = entry
-    return out

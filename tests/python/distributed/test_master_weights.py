@@ -35,7 +35,7 @@ def _sgd(params):
 
 def _worker(directory: str):
     import smp
-    from smp.optimizer import MASTER_KEY
+    from smp.checkpoints.keys import MASTER_KEY
 
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2})
     module = _bf16_gpt(smp)

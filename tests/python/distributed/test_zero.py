@@ -1,9 +1,9 @@
 """``shard_optimizer_state`` (ZeRO-1): each rank of the rdp group keeps and updates the optimizer
 state of the parameters it owns, then broadcasts them.
 
-- Owners: :func:`smp.optimizer.balance_owners` on realistic parameter sizes puts at most 1.1x
-  the best possible load (the ideal share, or the largest parameter when that is larger) on a
-  rank.
+- Owners: :func:`smp.dp.optimizer_state.balance_owners` on realistic parameter sizes puts at
+  most 1.1x the best possible load (the ideal share, or the largest parameter when that is
+  larger) on a rank.
 - Parity: the same run with sharding on and off (same seed, every data-parallel rank with its
   own samples, AdamW, 3 steps) gives bit-identical losses, parameters and full optimizer state
   (``state_dict()``), at dp 2, tp 2 x dp 2 and pp 2 x dp 2, on the demo GPT and an unmodified
@@ -33,7 +33,8 @@ from models import (
 )
 from test_checkpoints import LAYERS, _gpt, _my_share, _reference
 
-from smp.optimizer import SHARD_KEY, balance_owners
+from smp.checkpoints.keys import SHARD_KEY
+from smp.dp.optimizer_state import balance_owners
 
 STEPS = 3
 TIMEOUT_S = 300
