@@ -42,15 +42,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import smp  # noqa: E402
 from smp import _C  # noqa: E402
-from smp.partition.partitioner import (  # noqa: E402
+from smp.partitioning.plan import (  # noqa: E402
     CrossingCosts,
     _build_nodes,
     _core_calls,
     _core_nodes,
     _seconds_per_compute,
     build_plan,
-    trace_modules,
 )
+from smp.partitioning.trace import trace_modules  # noqa: E402
 
 FREE = CrossingCosts(priced=False)
 

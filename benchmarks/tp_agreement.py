@@ -69,7 +69,7 @@ def _bench(rank: int, calls: int, steps: int, rounds: int) -> dict:
 
     import smp
     from smp import _C
-    from smp.nn import region
+    from smp.tp import region
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     smp.init({"tensor_parallel_degree": 2})

@@ -26,12 +26,8 @@ from smp.memory.activations import checkpoint, checkpoint_sequential, set_activa
 from smp.memory.delayed import delay_param_initialization
 from smp.model import DistributedModel
 from smp.optimizer import DistributedOptimizer, MasterGradientsChangedError
-from smp.partition.partitioner import (
-    PartitionPlan,
-    partition,
-    plan_partition,
-    set_partition,
-)
+from smp.partitioning.plan import PartitionPlan, plan_partition
+from smp.partitioning.trace import partition, set_partition
 from smp.state import init, is_initialized, shutdown
 from smp.step import StepFailedError, StepOutput, microbatch, num_microbatches, step
 from smp.tp.region import DivergentArgumentsError

@@ -46,7 +46,7 @@ def main(directory: str, phase: str) -> None:
         torch.save(dict(model.local_named_parameters()), root / f"expected_{smp.rank()}.pt")
         step(1)
         if smp.rank() == 1:
-            from smp import _dcp
+            from smp.checkpoints import dcp as _dcp
 
             write_data = _dcp._Writer.write_data
 

@@ -10,6 +10,7 @@ function does not remove it), plus the packages that Python runs on the way to a
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ LAYERS = {
     # 3: tensor parallelism
     "smp.tp": 3,
     # 4: the concerns that work on the whole model
-    "smp.partition": 4,
+    "smp.partitioning": 4,
     "smp.pipeline": 4,
     "smp.dp": 4,
     "smp.checkpoints": 4,
@@ -232,3 +233,20 @@ def test_finds_a_circle_and_an_upward_import():
 def test_the_composing_classes_see_the_concerns(module):
     # a sanity check of the graph: these import concerns of lower layers
     assert any(layer(b) in (2, 3, 4) for b in EDGES[module]), EDGES[module]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        # module paths the user guide names, which the layout keeps (v1's are in
+        # test_v1_inventory.py)
+        "smp.nn.functional.copy_to_region",
+        "smp.nn.functional.gather_from_region",
+        "smp.partitioning.CrossingCosts",
+        "smp.memory.offload.current",
+        "smp.core.tree.flatten",
+    ],
+)
+def test_the_guides_module_paths_resolve(path):
+    module, _, name = path.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), name))

@@ -9,7 +9,8 @@ from models import tiny_gpt_config
 from torch import nn
 
 import smp
-from smp.partition.partitioner import CrossingCosts, trace_modules
+from smp.partitioning.plan import CrossingCosts
+from smp.partitioning.trace import trace_modules
 
 
 class Bert(nn.Module):
@@ -159,7 +160,7 @@ def test_partition_context_nests_innermost_wins():
         with smp.partition(0):
             inner = nn.Linear(2, 2)
         outer.append(inner)
-    from smp.partition.partitioner import _pin_of
+    from smp.partitioning.trace import _pin_of
 
     assert _pin_of(outer) == 2 and _pin_of(outer[0]) == 2 and _pin_of(inner) == 0
     assert _pin_of(nn.Linear(2, 2)) is None  # contexts are gone
@@ -211,7 +212,7 @@ def test_unknown_config_key_gets_did_you_mean():
 
 def test_report_collapses_block_runs():
     plan = smp.plan_partition(_gpt(), _ids(), 2)
-    from smp.partition.partitioner import _collapse_numbered
+    from smp.partitioning.plan import _collapse_numbered
 
     assert _collapse_numbered(["h.0", "h.1", "h.2", "ln_f"]) == ["h.0–h.2", "ln_f"]
     assert _collapse_numbered(["h.0", "h.2"]) == ["h.0", "h.2"]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import smp
-from smp.partition.partitioner import _PIN_ATTR
+from smp.partitioning.trace import _PIN_ATTR
 from smp.tp.functional import shard_tensor, unshard_tensor
 from smp.tp.registry import _MARK
 
