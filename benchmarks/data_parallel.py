@@ -144,7 +144,7 @@ def _pp_worker(rank: int, world: int, steps: int, batch: int, rounds: int) -> di
     batches = _batches(steps + warmup, batch, smp.dp_rank())
     model, smp_step = smp_training(_model(0), output_loss(lm_loss), 1e-3)
     smp_step(*batches[0])  # partitions; makes the stage's plan
-    plan = model._reduction
+    plan = model._grads.reduction
 
     def smp_plan_at_end(x, y):  # as before the per-stage overlap: the plan after the step
         plan.arm_counted = lambda: None

@@ -11,8 +11,8 @@ shard is a plain local tensor to FSDP2, so it is sharded again over the rdp rank
 FSDP2 sums; smp divides. Gradients come out of FSDP2 summed over the rdp group (reduce-scatter
 over the sharding group, all-reduce over its replicas); at the end of a step smp adds the
 tensor-parallel ranks' shares of gradients reduced over the whole dp group and divides by the
-same divisor as without sharding (:func:`smp.model._reduction`), so both paths compute the
-same mean.
+same divisor as without sharding (:func:`smp.dp.grads.group_and_divisor`), so both paths
+compute the same mean.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def finish_grads(params: list[torch.Tensor], reduction, num_mb: int, bucket_byte
     """The end of a step's gradient reduction for sharded parameters: FSDP2 summed each over
     the rdp group; one reduced over the dp group also sums over the TP group (its local chunks
     line up: every TP rank shards it the same way); then each is divided as smp divides.
-    ``reduction(p)`` is :func:`smp.model._reduction`; the TP sum runs in buckets of
+    ``reduction(p)`` is :func:`smp.dp.grads.group_and_divisor`; the TP sum runs in buckets of
     ``bucket_bytes``."""
     state = get_state()
     tp_sum: list[torch.Tensor] = []

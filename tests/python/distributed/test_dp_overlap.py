@@ -83,9 +83,9 @@ def _hf_worker(microbatches: int, passes: int, overlap: bool) -> dict:
             for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
                 torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=n: f"{n}: {m}")
             if overlap:
-                issued_early.append(model._reduction.issued_early)
-    assert (model._reduction is not None) == overlap
-    buckets = len(model._reduction.buckets) if overlap else 0
+                issued_early.append(model._grads.reduction.issued_early)
+    assert (model._grads.reduction is not None) == overlap
+    buckets = len(model._grads.reduction.buckets) if overlap else 0
     return {"issued_early": issued_early, "buckets": buckets}
 
 
@@ -149,7 +149,7 @@ def _unused_worker() -> dict:
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
         train_step(model, *_batch(rank, step))
-        issued.append(model._reduction.issued_early)
+        issued.append(model._grads.reduction.issued_early)
         for r in range(2):
             x, y = _batch(r, step)
             (F.cross_entropy(reference(x, r == 1), y) / 2).backward()
@@ -158,7 +158,7 @@ def _unused_worker() -> dict:
                 assert p.grad is None, f"{n} is unused everywhere but got a gradient"
                 continue
             torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
-    return {"issued_early": issued, "buckets": len(model._reduction.buckets)}
+    return {"issued_early": issued, "buckets": len(model._grads.reduction.buckets)}
 
 
 def test_parameters_unused_on_one_rank_or_everywhere(pools):
@@ -241,7 +241,7 @@ def _failure_worker() -> dict:
         model.backward(loss)
         if fail[0] and rank == 0 and smp.microbatch() == 1:
             # Rank 0's buckets are all out; rank 1 never issues its own.
-            assert model._reduction.issued() == len(model._reduction.buckets)
+            assert model._grads.reduction.issued() == len(model._grads.reduction.buckets)
         return loss
 
     train_step(model, *_batch(rank, 0))
@@ -319,7 +319,7 @@ def _pp_worker(name: str, variants: list[str], passes: int = 1) -> dict:
     result: dict = {"issued_early": [], "first_issue_at": [], "accumulations": [], "error": None}
     marks: list[int] = []  # accumulations counted on this stage when each bucket went out
     for step, variant[0] in enumerate(variants):
-        reduction = model._reduction
+        reduction = model._grads.reduction
         if reduction is not None and not hasattr(reduction, "_test_issue"):
             reduction._test_issue = reduction._issue
 
@@ -365,7 +365,7 @@ def _pp_worker(name: str, variants: list[str], passes: int = 1) -> dict:
         for (n, p), (_, q) in zip(model.module.named_parameters(), reference.named_parameters()):
             if model._owns(n):
                 torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=n: f"{n}: {m}")
-        reduction = model._reduction
+        reduction = model._grads.reduction
         result["issued_early"].append(reduction.issued_early)
         result["first_issue_at"].append(marks[0] if marks else None)
         result["accumulations"].append(sum(reduction._expected.values()))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from models import build_model, gpt_train_step, loss_fn, make_batch, parity_adamw, split_gpt_blocks
 
-from smp.model import PARTIAL_KEY
+from smp.checkpoints.keys import PARTIAL_KEY
 
 
 def _optimizer_worker(pp: int, tp: int):

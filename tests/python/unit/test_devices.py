@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from smp.model import place_owned
+from smp.partitioning.placement import place_owned
 from smp.state import _resolve_backend, _resolve_device
 from smp.step import _from_host, _to_host
 

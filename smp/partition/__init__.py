@@ -1,1 +1,0 @@
-"""The tracer and the partitioner: which stage owns each module."""
