@@ -37,7 +37,7 @@ def _worker(rank: int, layers: int, hidden: int, rounds: int, directory: str) ->
     from model import GPT, GPTConfig, lm_loss
 
     import smp
-    from smp.checkpoints.training import _model_entries, _optimizer_entries
+    from smp.checkpoints.entries import model_entries, optimizer_entries
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 1})
     torch.manual_seed(0)
@@ -59,7 +59,7 @@ def _worker(rank: int, layers: int, hidden: int, rounds: int, directory: str) ->
     dist.all_reduce(params, group=smp.state.get_state().groups["pp"])
 
     state = smp.state.get_state()
-    same_state = {**_model_entries(model, state), **_optimizer_entries(model, optimizer, state)}
+    same_state = {**model_entries(model, state), **optimizer_entries(model, optimizer, state)}
     root = Path(directory)
 
     def timed(action) -> float:
