@@ -1,4 +1,4 @@
-"""What the TP ranks' agreement on a region's arguments costs (smp/tp/region.py, design.md §6a).
+"""What the TP ranks' agreement on a region's arguments costs (smp/tp/agreement.py, design.md §6.3).
 
 Two gloo processes on CPU (one thread each), tp = 2, a Hugging Face Llama whose decoder layers are
 split over the TP group (smp's default batch semantics: each rank brings its own samples):
@@ -69,6 +69,7 @@ def _bench(rank: int, calls: int, steps: int, rounds: int) -> dict:
 
     import smp
     from smp import _C
+    from smp.tp import agreement as tp_agreement
     from smp.tp import region
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -94,13 +95,13 @@ def _bench(rank: int, calls: int, steps: int, rounds: int) -> dict:
 
     out = {}
     group = smp.get_tp_process_group()
-    digest = region._Call.describe(layer, args, kwargs).digest()
+    digest = tp_agreement._Call.describe(layer, args, kwargs).digest()
     for name, call in (
-        ("describe and hash", lambda: region._Call.describe(layer, args, kwargs).digest()),
-        ("all-gather of 16 bytes", lambda: region._exchange(group, digest)),
+        ("describe and hash", lambda: tp_agreement._Call.describe(layer, args, kwargs).digest()),
+        ("all-gather of 16 bytes", lambda: tp_agreement._exchange(group, digest)),
         (
             "agreement as built",
-            lambda: region._agree(layer, region._Call.describe(layer, args, kwargs)),
+            lambda: tp_agreement._agree(layer, tp_agreement._Call.describe(layer, args, kwargs)),
         ),
     ):
         for _ in range(calls // 10):
@@ -114,9 +115,9 @@ def _bench(rank: int, calls: int, steps: int, rounds: int) -> dict:
 
     counting = _C.CountingGroup(group)
     counted = types.SimpleNamespace(tp_group=counting.group, tp_size=2, tp_rank=rank)
-    region._agree(counted, region._Call.describe(layer, args, kwargs))
+    tp_agreement._agree(counted, tp_agreement._Call.describe(layer, args, kwargs))
     out["bytes"] = counting.counts()
-    out["spec bytes"] = len(pickle.dumps(region._Call.describe(layer, args, kwargs).spec))
+    out["spec bytes"] = len(pickle.dumps(tp_agreement._Call.describe(layer, args, kwargs).spec))
 
     @smp.step
     def train_step(model, ids, mask, labels):
@@ -131,7 +132,7 @@ def _bench(rank: int, calls: int, steps: int, rounds: int) -> dict:
         train_step(model, ids, mask, labels)
         optimizer.step()
 
-    agree = region._agree
+    agree = region._agree  # what run_region calls (imported there from smp.tp.agreement)
     variants = {
         "agreed (padding on both ranks)": (True, agree),
         "agreement skipped (padding on both ranks)": (True, lambda module, mine: None),

@@ -1,4 +1,4 @@
-"""Vocab-parallel output heads for Hugging Face causal language models (design.md §6b).
+"""Vocab-parallel output heads for Hugging Face causal language models (design.md §6.5).
 
 A causal LM's output projection (``lm_head``, [vocab, hidden]) is usually its largest matrix and
 its logits ([batch, sequence, vocab]) its largest activation. When the head is marked for tensor
@@ -34,14 +34,9 @@ from torch import nn
 
 from smp.memory import delayed
 from smp.tp import functional as tpf
+from smp.tp.agreement import DivergentArgumentsError, _exchange
 from smp.tp.modules import DistributedEmbedding, DistributedModule
-from smp.tp.region import (
-    DivergentArgumentsError,
-    _exchange,
-    _region_scope,
-    batch_is_shared,
-    in_region,
-)
+from smp.tp.region import _region_scope, batch_is_shared, in_region
 from smp.tp.subclasses import computes_linear, own_forward, with_parameters
 
 __all__ = ["VocabParallelHead", "causal_lm_loss", "full_logits", "distribute_lm_head"]

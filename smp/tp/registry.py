@@ -436,7 +436,7 @@ def _is_distributed(module: nn.Module) -> bool:
 
 def _name_regions(root: nn.Module) -> None:
     """Names each distributed module by its path in the model: what the TP ranks compare when
-    they agree on a region's arguments, and what their errors call it (smp/tp/region.py)."""
+    they agree on a region's arguments, and what their errors call it (smp/tp/agreement.py)."""
     for path, module in root.named_modules():
         if _is_distributed(module):
             module._smp_region_name = path or "<root>"

@@ -3,7 +3,7 @@ agreement on arguments that are not plain values, and the glibc mmap threshold o
 parameter initialisation.
 
 GradScaler: a float16 model (``smp.model_creation(dtype=torch.float16)``) at dp 2 trains with
-float32 master weights in ``smp.DistributedOptimizer`` (design.md §2b). The user's loop —
+float32 master weights in ``smp.DistributedOptimizer`` (design.md §8). The user's loop —
 ``model.backward(scaler.scale(loss))`` in the step, ``scaler.step(optimizer)``,
 ``scaler.update()``, optionally ``scaler.unscale_(optimizer)`` and
 ``optimizer.clip_grad_norm_`` before the step — is compared with one process doing the same by
@@ -351,7 +351,7 @@ class Color(enum.Enum):
 def test_argument_digests_follow_contents():
     """The agreement's digest of equal contents is equal, of different contents different (no
     processes): what "contents" means for values that are not plain."""
-    from smp.tp.region import _Call
+    from smp.tp.agreement import _Call
 
     block = torch.nn.Identity()
 

@@ -1,5 +1,5 @@
 """TP ranks whose arguments differ never stall: they run each rank's arguments in turn, or fail
-fast on every rank with the cause (smp/tp/region.py, design.md §6a).
+fast on every rank with the cause (smp/tp/agreement.py, design.md §6.3).
 
 With smp's batch semantics each TP rank brings its own samples. Real batches differ between
 ranks: Hugging Face passes ``attention_mask=None`` into its blocks for a batch without padding
@@ -246,7 +246,7 @@ def test_hugging_face_divergent_ranks_match_reference(pools, kind, world):
 
 def test_pipeline_tp_divergent_ranks_match_reference(pools):
     """pp = 2 x tp = 2 with 2 microbatches: the TP ranks of each stage run the stage's tasks in
-    one order (design.md §6a), and each task's regions agree or run in turn."""
+    one order (design.md §6.4), and each task's regions agree or run in turn."""
     pytest.importorskip("transformers")
     results = pools.run(4, _parity_worker, "gpt2", 2, 2, 2, timeout_s=150)
     assert all(r == results[0] for r in results)
@@ -456,7 +456,7 @@ def test_agreement_cost_and_different_regions(pools):
 
 def test_description_names_the_difference():
     """The phrase every message uses for what differs between two ranks (no processes)."""
-    from smp.tp.region import _Call, _describe_difference
+    from smp.tp.agreement import _Call, _describe_difference
 
     block = torch.nn.Identity()  # only its name is read
     hidden = torch.zeros(2, 8, 32, requires_grad=True)
