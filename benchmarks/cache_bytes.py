@@ -1,4 +1,4 @@
-"""What a Hugging Face key/value cache costs in pipeline traffic (design.md §4i).
+"""What a Hugging Face key/value cache costs in pipeline traffic (design.md §4.6).
 
 An unmodified Hugging Face Llama (8 layers, hidden 256, FFN 704, 8 heads / 4 KV heads, vocab
 4096, untied head) trains at pp = 2 on two gloo processes, 8 microbatches of 2 x 128 tokens, with

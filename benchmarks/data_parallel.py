@@ -8,7 +8,7 @@ the median of the per-round ratios.
 
     .venv/bin/python benchmarks/data_parallel.py [--steps 30] [--rounds 5] [--json out.json]
 
-``--pp 2``: pipeline stages reduced over their replicas (design.md §2a, per stage): four
+``--pp 2``: pipeline stages reduced over their replicas (design.md §2, per stage): four
 processes (pp 2 x dp 2, 4 microbatches), smp as it is by default (each stage's buckets during its
 backward), with ``overlapping_allreduce=False`` (``allreduce_mean_`` after the step), and with
 the same bucket plan issued after the step (as before the per-stage overlap). No peer runs there:

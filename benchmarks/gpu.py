@@ -14,7 +14,7 @@ Sections:
            the same microbatches; tokens/s and their ratio.
   roundtrip  two processes sharing the device over gloo (pp 2, "device": the device's type): a
            root on stage 0 calls a trivial module on stage 1 many times per step, with a small
-           tensor and with a 1 MiB one (device tensors staged through the host, design.md §4k);
+           tensor and with a 1 MiB one (device tensors staged through the host, design.md §4.8);
            time per call, beside a bare gloo send + receive of the same tensor each way.
 """
 

@@ -1,4 +1,4 @@
-"""Memory over a long pipelined run: does anything grow with the steps (design.md §4j)?
+"""Memory over a long pipelined run: does anything grow with the steps (design.md §4.7)?
 
 The demo's GPT (4 layers, hidden 128) trains for 1,000 steps at pp = 2 on two gloo processes,
 2 microbatches of 4 sequences, with a different sequence length every step (8 to 64 tokens, so

@@ -390,13 +390,13 @@ def main() -> None:
         "--resend",
         action="store_true",
         help="send a tensor again with every request that takes it (before tensors were sent "
-        "once per microbatch and owner, design.md §4i)",
+        "once per microbatch and owner, design.md §4.6)",
     )
     parser.add_argument(
         "--no-batch",
         action="store_true",
         help="send every message alone (before, what queued up for a peer went as one batch, "
-        "design.md §4d)",
+        "design.md §4.8)",
     )
     parser.add_argument(
         "--overhead",

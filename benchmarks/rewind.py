@@ -1,4 +1,4 @@
-"""What a pipelined step's rewind snapshot costs (design.md §4c, Note [Rewind without walking
+"""What a pipelined step's rewind snapshot costs (design.md §4.3, Note [Rewind without walking
 the model] in smp/step.py).
 
 Before each pipelined step smp records the model's random generators, buffers and parameter

@@ -9,7 +9,7 @@ step function, then (optionally ``scaler.unscale_(optimizer)`` and
 after it. (With ``smp.DistributedOptimizer``'s own loss scaling under ``"fp16": True`` there is
 nothing to add.)
 
-A float16 / bfloat16 model's optimizer steps float32 master weights (design.md §2b), which get
+A float16 / bfloat16 model's optimizer steps float32 master weights (design.md §8), which get
 the model's gradients only when asked: ``unscale_`` first copies them in (so torch's unscaling
 and inf check see this step's gradients, not the masters' empty ones), then unscales the
 masters' gradients.
@@ -59,7 +59,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled and sync is not None:
             # A low-precision model's float32 masters are the optimizer's parameters: they get
             # this step's (still scaled) gradients now, else torch unscales and checks nothing
-            # and the step applies scaled gradients (design.md §2b).
+            # and the step applies scaled gradients (design.md §8).
             sync()
         super().unscale_(optimizer)
         if not self._enabled or not is_initialized():

@@ -213,7 +213,7 @@ def collective(what: str) -> Iterator[None]:
     ``smp._C.CollectiveError``, the type that says "a failure elsewhere" (a peer died, the
     backend timed out), as the C++ collectives raise it (smp/pytorch/collective.h). The
     backends raise plain RuntimeErrors, which a mistake in user code raises too; smp.step tells
-    the cause of a failed step from its echoes by this type (design.md §4j)."""
+    the cause of a failed step from its echoes by this type (design.md §4.7)."""
     try:
         yield
     except _C.CollectiveError:

@@ -69,18 +69,18 @@ class Config:
     pipeline: str = "interleaved"
     """``"interleaved"``: backward of a ready microbatch first (1F1B-like); ``"simple"``: all
     forwards, then all backwards; ``"static"``: every stage orders its work by its program in
-    the schedule ``pipeline_schedule`` (design.md §4h)."""
+    the schedule ``pipeline_schedule`` (design.md §4.5)."""
     pipeline_schedule: str | None = None
     """With ``pipeline: "static"``: ``"zbh1"`` (default; zero-bubble H1, weight gradients
     apart on the later stages), ``"1f1b"`` or ``"gpipe"``."""
     pipeline_async_calls: bool = True
     """A call of the step function to a module on another stage returns at once with futures
-    when the module's output structure is known from an earlier call (design.md §4c)."""
+    when the module's output structure is known from an earlier call (design.md §4.3)."""
     active_microbatches: int | None = None
     """Most microbatches in flight at once; None means ``min(pp + 2, microbatches)``."""
     deferred_weight_microbatches: int | None = None
     """Stages other than the first compute a served call's input gradients first and its weight
-    gradients when idle (a zero-bubble split, design.md §4g), for at most this many
+    gradients when idle (a zero-bubble split, design.md §4.4), for at most this many
     microbatches at once; 0 turns the split off. None means ``min(pp, microbatches)``."""
     optimize: str = "speed"
     """TP layout and partition weighting: ``"speed"`` (Megatron-style) or ``"memory"``."""
@@ -107,7 +107,7 @@ class Config:
     sharded_data_parallel_degree: int = 1
     """Shard parameters, gradients and optimizer state over this many of the data-parallel ranks
     holding the same parameters (FSDP2); it divides their number, and the sharding groups
-    replicate one another beyond it (design.md §7e)."""
+    replicate one another beyond it (design.md §7.5)."""
     offload_activations: bool = False
     """Move checkpointed activations to host memory, bring them back before backward."""
     activation_loading_horizon: int = 4

@@ -108,7 +108,7 @@ class DistributedModel(nn.Module):
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
         cfg = state.config
         # Delayed parameter initialisation: meta parameters become size-0 placeholders now;
-        # each rank gives values to those it owns once the partition is known (design.md §7d).
+        # each rank gives values to those it owns once the partition is known (design.md §7.4).
         # Giving delayed parameters their values frees and allocates whole weights in turn.
         self._delayed = delayed.has_delayed(module)
         with delayed.returning_memory(self._delayed):
@@ -165,7 +165,7 @@ class DistributedModel(nn.Module):
             )
 
             # Buffers (qualified names) that a step has changed in place: saved before each step so
-            # that a step can run again (smp.step, design.md §4c).
+            # that a step can run again (smp.step, design.md §4.3).
             self._changing_buffers: set[str] = set()
             self._step_backward_count = 0
             self._step_count = 0
@@ -178,7 +178,7 @@ class DistributedModel(nn.Module):
             # the model and partitions it (see _partition).
             self.partitioned = cfg.pipeline_parallel_degree == 1
             # Sharded data parallelism: FSDP2 over the sharding mesh, once every replica holds the
-            # same values (design.md §7e). Its parameters are new objects: the gradients' list
+            # same values (design.md §7.5). Its parameters are new objects: the gradients' list
             # below is made after it.
             self._sharded_units: list[nn.Module] = []
             # Sharded, delayed parameters get their values one block at a time, each block
@@ -512,7 +512,7 @@ class DistributedModel(nn.Module):
 
     def _materialize_owned(self) -> None:
         """Gives this rank's delayed parameters the values eager construction would have given
-        them, one at a time (design.md §7d); their float32 masters, made from placeholders,
+        them, one at a time (design.md §7.4); their float32 masters, made from placeholders,
         follow."""
         if self._delayed:
             state_dicts.refresh_masters(

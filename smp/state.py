@@ -119,7 +119,7 @@ class State:
 
     def host_group(self, name: str) -> dist.ProcessGroup:
         """The group ``name`` for host-side traffic: its gloo twin where one exists (the
-        pipeline's headers under NCCL, design.md §4k), else the group itself."""
+        pipeline's headers under NCCL, design.md §4.8), else the group itself."""
         return self.groups.get(f"{name}_host", self.groups[name])
 
     def pipeline_payload_groups(self) -> list[dist.ProcessGroup]:
@@ -229,7 +229,7 @@ _GLOO_PAYLOAD_GROUPS = False
 
 
 def _build_payload_groups(state: State, timeout: datetime.timedelta) -> None:
-    """Two groups per pipeline group, one per direction (design.md §4k): c10d's NCCL
+    """Two groups per pipeline group, one per direction (design.md §4.8): c10d's NCCL
     point-to-point runs one communicator per pair of ranks in a group, so each ordered pair of
     stages gets its own and a send never queues behind a receive on one NCCL stream."""
     for ranks in state.topology.groups(_C.Axis.PP):
@@ -365,7 +365,7 @@ def _build_groups(state: State, timeout: datetime.timedelta) -> None:
     if sdp > 1:
         # Sharded data parallelism: each rdp group splits into sharding groups of ``sdp``
         # consecutive members ("sdp"), which replicate one another ("sdp_replicate": the members
-        # at the same index of every sharding group). design.md §7e.
+        # at the same index of every sharding group). design.md §7.5.
         for ranks in state.topology.groups(_C.Axis.RDP):
             ranks = sorted(ranks)
             shards = [ranks[i : i + sdp] for i in range(0, len(ranks), sdp)]
@@ -378,7 +378,7 @@ def _build_groups(state: State, timeout: datetime.timedelta) -> None:
                     state.group_ranks[name] = members
     if state.topology.pp_size > 1 and (state.backend == "nccl" or _GLOO_PAYLOAD_GROUPS):
         # The pipeline's headers need a host-side group under NCCL; its device tensors go on
-        # payload groups (design.md §4k).
+        # payload groups (design.md §4.8).
         if state.backend == "nccl":
             for ranks in state.topology.groups(_C.Axis.PP):
                 group = dist.new_group(ranks, timeout=timeout, backend="gloo")

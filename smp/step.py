@@ -164,7 +164,7 @@ class _MicrobatchError:
     origin: str = "user"  # where it came from (_origin): "user" is a cause, the rest echoes
 
 
-_MAX_RUNS = 4  # a step runs at most this often (design.md §4c: each rerun makes a call wait)
+_MAX_RUNS = 4  # a step runs at most this often (design.md §4.3: each rerun makes a call wait)
 
 
 # Note [Rewind without walking the model]
@@ -209,7 +209,7 @@ def _walk(module: torch.nn.Module) -> tuple[list[tuple], list[tuple]]:
 class _Rewind:
     """What a pipelined step may change besides gradients, taken before it runs, so that a step
     that failed only because a call's output structure changed (asynchronous calls, design.md
-    §4c) can run again exactly: the random generators (torch's CPU and CUDA ones, smp's TP
+    §4.3) can run again exactly: the random generators (torch's CPU and CUDA ones, smp's TP
     ones), and the buffers. Buffers are compared by identity and version; those that earlier
     steps changed in place, and the running statistics of batch and instance norms (their
     kernels update them without bumping the version), are copied; the rest (masks, tables) only
@@ -395,7 +395,7 @@ class _StepFunction:
         original: BaseException | None = None
         state.in_step, state.step_models = True, models
         try:
-            with _precision(state):  # pipeline workers and served calls inherit it (§4j)
+            with _precision(state):  # pipeline workers and served calls inherit it (§4.7)
                 if runtimes:
                     results, backward_calls = runtimes[0].run_step(self.func, calls)
                     for model in models:
@@ -570,7 +570,7 @@ def _precision(state: State):
     """The step's mixed precision: with ``bf16`` (``fp16``) the step function runs under
     ``torch.autocast`` to bfloat16 (float16) on this rank's device; the parameters (the fp32
     master weights), their gradients and the gradient reduction stay in float32 (design.md
-    §2b)."""
+    §8)."""
     if state.config.bf16 or state.config.fp16:
         dtype = torch.bfloat16 if state.config.bf16 else torch.float16
         return torch.autocast(device_type=state.device.type, dtype=dtype)

@@ -12,7 +12,7 @@
 //   kBackward         run a backward segment of microbatch m (its gradients arrived, or the
 //                     leader's model.backward(loss)).
 //   kWeight           non-leaders only: the weight-gradient half of a backward segment whose
-//                     input gradients have been sent (a zero-bubble split, design.md §4g). Its
+//                     input gradients have been sent (a zero-bubble split, design.md §4.4). Its
 //                     results stay on this rank, so it can wait: it fills time in which nothing
 //                     else may run, and the step is not over on this rank until it has run.
 // Resume, request and start are "forward-type"; backward and weight are "backward-type".
@@ -35,7 +35,7 @@
 //     6. a weight.
 //     A resume is short and others wait for it: on the leader it usually computes a loss and
 //     starts that microbatch's backward, which every other stage's backward waits for; a
-//     backward task is one slice of a worker's backward (design.md §4e), so a resume that
+//     backward task is one slice of a worker's backward (design.md §4.4), so a resume that
 //     arrives during a long backward waits for one slice, not the whole.
 //   simple (GPipe-like, all forwards then all backwards):
 //     1. a resume   2. a request   3. leader: start the next microbatch (no in-flight limit)
@@ -43,7 +43,7 @@
 //        on other ranks whenever no forward-type task is queued
 //     5. a weight. No limit: every microbatch's activations are alive when the backwards
 //        begin, so weights waiting for the end do not raise the peak.
-//   static (a per-rank program from the schedule IR, design.md §4h):
+//   static (a per-rank program from the schedule IR, design.md §4.5):
 //     1. a resume   2. of the queued tasks and, on the leader, the next start when its gate is
 //     open, the one whose action comes first in this rank's program (requests are F, backwards
 //     B or I, weights W of their microbatch; a task whose action is not in the program comes

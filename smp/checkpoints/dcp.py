@@ -82,7 +82,7 @@ class _Chunks:
         r: int,
     ) -> _Chunks:
         """Rows ``[row, row + len(local))`` of a tensor of shape ``whole`` (a sharded data
-        parallel chunk, design.md §7e), that tensor being this TP rank's shard (``split``) of
+        parallel chunk, design.md §7.5), that tensor being this TP rank's shard (``split``) of
         the full one, or the full one itself (``split`` None)."""
         if split is None:
             split, n, r = (0, 1), 1, 0

@@ -379,7 +379,7 @@ class _IdentityPickler(pickle.Pickler):
 class WriteBackError(TypeError):
     """A module on another stage changed an argument in a way that smp cannot write back into
     the caller's object (or tensor), so the caller would go on with a value one process would
-    not have: the step fails on every rank instead (design.md §4i)."""
+    not have: the step fails on every rank instead (design.md §4.6)."""
 
 
 def assign(target: Any, source: Any, what: str = "an argument") -> None:

@@ -4,7 +4,7 @@
 every rank must call it). Each record is a list of :class:`TimedAction` in the schedule IR's
 string form ``<stage><type><microbatch>`` (``1F3``: stage 1 ran forward work of microbatch 3;
 ``0B2``: backward work of microbatch 2; ``1W2``: weight gradients of microbatch 2 computed
-apart from its input gradients, design.md §4g), with wall-clock start and end times. The
+apart from its input gradients, design.md §4.4), with wall-clock start and end times. The
 dynamic runtime splits a microbatch's work on a stage wherever it waited for another stage, so
 one (stage, microbatch, type) may appear as several pieces; :meth:`Timeline.program` merges
 consecutive pieces, and :meth:`Timeline.to_schedule` projects the step onto a schedule the IR's
@@ -41,7 +41,7 @@ class TimedAction:
 class Timeline:
     """The last step's actions per rank (``ranks``: rank -> list of TimedAction, in order), and
     the size of each rank's call-structure caches (``caches``: rank -> {table: entries}, with
-    the tables' ``limit`` and the entries ``evicted`` so far; design.md §4j)."""
+    the tables' ``limit`` and the entries ``evicted`` so far; design.md §4.7)."""
 
     def __init__(
         self, ranks: dict[int, list[TimedAction]], caches: dict[int, dict[str, int]] | None = None
@@ -127,7 +127,7 @@ class Timeline:
 
         Each type's pieces are summed per microbatch and averaged. ``forward`` and
         ``full_backward`` (backward and weight pieces) are means over every microbatch. Where
-        weight gradients ran apart (§4g: the step's last microbatches on stages after the
+        weight gradients ran apart (§4.4: the step's last microbatches on stages after the
         first), ``backward_input`` is the mean of those microbatches' backward pieces and
         ``backward_weight`` of their weight pieces; where none did, ``backward_input`` is
         ``full_backward`` and ``backward_weight`` is 0.

@@ -1,4 +1,4 @@
-"""One walker for every value smp takes apart and rebuilds (design.md §4j, guide §5).
+"""One walker for every value smp takes apart and rebuilds (design.md §4.7, guide §5).
 
 smp walks user values in four places: a step's inputs (split into microbatches), its outputs
 (detached, gathered into StepOutputs), the arguments and results of cross-stage calls (futures

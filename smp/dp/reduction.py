@@ -1,4 +1,4 @@
-"""The data-parallel gradient reduction, overlapped with the backward (design.md §2a).
+"""The data-parallel gradient reduction, overlapped with the backward (design.md §2).
 
 A ``GradReduction`` holds one fixed plan for a model: its trainable parameters in reverse
 registration order (roughly the order the backward finishes them), packed into buckets per

@@ -1,4 +1,4 @@
-"""Sharded data parallelism (``sharded_data_parallel_degree``, design.md §7e) on FSDP2.
+"""Sharded data parallelism (``sharded_data_parallel_degree``, design.md §7.5) on FSDP2.
 
 Each rdp group (the data-parallel ranks that hold the same parameters: the same stage and the
 same tensor-parallel slice) splits into sharding groups of ``sharded_data_parallel_degree``

@@ -1,4 +1,4 @@
-"""Activation checkpointing (SMP v1's API) on torch's saved-tensor hooks (design.md §7a).
+"""Activation checkpointing (SMP v1's API) on torch's saved-tensor hooks (design.md §7.1).
 
 - :func:`set_activation_checkpointing` marks a module: from then on every call of it saves only
   its inputs and runs its forward again in backward. Marking replaces the module's ``forward``
@@ -113,7 +113,7 @@ class Frame:
     torch's own non-reentrant checkpoint keeps recomputed tensors per autograd call (graph
     task) and recomputes for each call that reaches the region. smp's backward reaches one
     region from several calls (a segment sliced at remote calls runs shared nodes twice with
-    ``retain_graph``; the zero-bubble split runs the weight half later, design.md §4e, §4g),
+    ``retain_graph``; the zero-bubble split runs the weight half later, design.md §4.4, §4.4),
     so smp keeps them per handle: a region is recomputed once per backward, and each
     recomputed tensor lives until the graph drops the handle that stands for it."""
 

@@ -1,4 +1,4 @@
-"""Delayed parameter initialisation (``smp.delay_param_initialization``; design.md §7d).
+"""Delayed parameter initialisation (``smp.delay_param_initialization``; design.md §7.4).
 
 Inside the context every parameter a module registers becomes a meta tensor of its shape, and
 what the model's constructor then does to it is recorded: its value at registration (nothing
@@ -308,7 +308,7 @@ def _take(pool: dict | None, numel: int, dtype: torch.dtype) -> torch.Tensor | N
 def recycle(tensors: list[torch.Tensor], pool: dict) -> None:
     """Puts the storages of ``tensors`` (values nothing uses any more) into ``pool`` for
     :func:`materialize` to replay into: a process that frees and allocates large tensors one
-    after another does not get its freed memory back (design.md §7d)."""
+    after another does not get its freed memory back (design.md §7.4)."""
     for t in tensors:
         flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
         pool.setdefault((flat.numel(), flat.dtype), []).append(flat)
@@ -396,7 +396,7 @@ def returning_memory(enabled: bool = True) -> Iterator[None]:
     parameters their values allocates and frees whole weights one after another; glibc's
     default moves large allocations onto its heap after the first frees, and there freed
     weights interleaved with kept shards stay in the process (measured at tp 2: the whole
-    model's size again, design.md §7d). When the outermost context ends, however it ends,
+    model's size again, design.md §7.4). When the outermost context ends, however it ends,
     glibc's settings go back as close to what they were as glibc allows
     (:func:`_glibc_settings`). Without glibc, nothing changes."""
     libc = _glibc() if enabled else None

@@ -1,4 +1,4 @@
-"""A wrapped model's delayed parameters get their values (design.md §7d).
+"""A wrapped model's delayed parameters get their values (design.md §7.4).
 
 ``smp.delay_param_initialization`` leaves each parameter a size-0 placeholder with a record of
 its initialisation (:mod:`smp.memory.delayed`). Once a rank knows what it holds, it replays the

@@ -1,4 +1,4 @@
-"""Activation offloading (``offload_activations``, ``activation_loading_horizon``; design.md §7b).
+"""Activation offloading (``offload_activations``, ``activation_loading_horizon``; design.md §7.2).
 
 What moves: the inputs a checkpointed call keeps for its recompute (:class:`smp.memory.activations.
 Frame`), the only activations a checkpointed model keeps between its forward and its backward.

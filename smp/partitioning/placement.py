@@ -1,4 +1,4 @@
-"""Where a partitioned model's tensors live (design.md §4k).
+"""Where a partitioned model's tensors live (design.md §4.8).
 
 After the partition each rank keeps only the parameters and buffers of its own pipeline stage:
 those of the other stages are released (empty tensors, the same objects), its own move to its

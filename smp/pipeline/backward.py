@@ -1,12 +1,12 @@
-"""The pipeline's backward (design.md §4e, §4g): gradient messages, intervals, weight halves.
+"""The pipeline's backward (design.md §4.4, §4.4): gradient messages, intervals, weight halves.
 
 A worker's forward is cut into intervals at its remote calls, and before large local modules
-(backward slices, §4e). Intervals run backward in reverse order, each as a segment
+(backward slices, §4.4). Intervals run backward in reverse order, each as a segment
 (smp.pipeline.segments), as their gradients become complete, in the server thread. Gradients
 cross stages as GRAD_OUT (caller → owner, gradients of a call's outputs) and GRAD_IN (owner →
 caller, gradients of its inputs; without any, it says that the call's backward is done). Stages
 other than the leader's may compute a served call's input gradients first and its weight
-gradients later, as a WEIGHT task (zero-bubble split, §4g).
+gradients later, as a WEIGHT task (zero-bubble split, §4.4).
 
 :class:`BackwardMixin` is this part of ``PipelineRuntime`` (smp.pipeline.runtime), which
 composes it and sets up the state its methods use.
@@ -48,7 +48,7 @@ class BackwardMixin:
         """Ids of the local modules whose forward starts a new backward slice: every module
         whose subtree runs on this stage only and costs at least 1/_SLICES_PER_STAGE of the
         stage (``costs``: each module's own share of the model's cost, from the partitioner),
-        unless it is inside another such module with a forward of its own (design.md §4e:
+        unless it is inside another such module with a forward of its own (design.md §4.4:
         a block's boundary, not its MLP's). Deterministic, unlike a clock, so a step's
         gradients do not depend on timing."""
         paths = self.paths[: self.model_paths]

@@ -1,4 +1,4 @@
-"""The caller's side of a remote call (design.md §4c, §4i): requests, replies, futures.
+"""The caller's side of a remote call (design.md §4.3, §4.6): requests, replies, futures.
 
 A module owned by another stage gets a class whose ``__call__`` sends REQUEST to its owner
 (:meth:`CallsMixin._install_stubs`). A call of the leader's step function whose output structure
@@ -30,13 +30,13 @@ from smp.pipeline.workers import _Abort, _Call, _current, _mix, _PeerFetch, _Wor
 
 class CallStructureChanged(RuntimeError):
     """A module returned outputs of another structure than its earlier calls with the same
-    arguments, after the caller had continued with the predicted structure (design.md §4c).
+    arguments, after the caller had continued with the predicted structure (design.md §4.3).
     ``smp.step`` runs such a step again when it can restore what the attempt changed; the
     module's calls wait for their outputs from then on (its key is never predicted again)."""
 
 
 class _Future(torch.Tensor):
-    """An output of an asynchronous remote call (design.md §4c) before or after it arrives.
+    """An output of an asynchronous remote call (design.md §4.3) before or after it arrives.
 
     Any use as a tensor (an op, a method, a property such as ``.shape``) waits for the value and
     then runs on it; passed to another call of the module's owner, it travels as a reference and
@@ -272,7 +272,7 @@ class CallsMixin:
     def _remote_call(self, worker: _Worker, owner: int, index: int, args, kwargs):
         """Sends REQUEST to ``owner``. A call of the leader's step function whose output
         structure is known (an earlier call with the same module and argument structure) returns
-        futures at once (design.md §4c); any other call suspends the worker until REPLY."""
+        futures at once (design.md §4.3); any other call suspends the worker until REPLY."""
         if worker.aborted:  # its step is over (it ran past the baton's bound): it must not send
             raise _Abort()
         if worker.quiet and not worker.quiet_refused:
@@ -324,7 +324,7 @@ class CallsMixin:
         prediction = None
         quiet = False
         # With tensor parallelism every decision here must be the same on every TP rank of the
-        # stage (they run one task order, design.md §6a), but their arguments may differ (a
+        # stage (they run one task order, design.md §6.4), but their arguments may differ (a
         # padding mask on one rank, None on another; smp/tp/region.py), and with them the keys,
         # predictions and FETCHes of their calls. So calls wait for their outputs there.
         if self.async_calls and self.order_group is None:
@@ -378,7 +378,7 @@ class CallsMixin:
     @staticmethod
     def _write_back(owner: int, path: str, original: torch.Tensor, value: torch.Tensor) -> None:
         """Gives the caller's tensor ``original`` the data that the module on stage ``owner``
-        left in its copy of it, as one process would have changed it (design.md §4i)."""
+        left in its copy of it, as one process would have changed it (design.md §4.6)."""
         if isinstance(original, _Future):
             # Its value here, as the REPLY that brought it or a FETCH of the owner's (replaced)
             # output has it: a REPLY sent before the change carries the old data.
@@ -448,7 +448,7 @@ class CallsMixin:
             f"{messages.describe(cleared)}, but its earlier calls with the same arguments "
             f"returned {messages.describe(messages.Skeleton(call.predicted, ()))}, and "
             "the step function had continued with that (asynchronous pipeline calls, "
-            "design.md §4c). "
+            "design.md §4.3). "
             "The module's calls wait for their outputs from now on; "
             '"pipeline_async_calls": False makes every call wait.'
         )
@@ -471,7 +471,7 @@ class CallsMixin:
         )
         raise CallStructureChanged(
             f"smp: module '{call.path}' (pipeline stage {call.owner}) {what} (asynchronous "
-            "pipeline calls, design.md §4c). The module's calls are waited for from now on; "
+            "pipeline calls, design.md §4.3). The module's calls are waited for from now on; "
             '"pipeline_async_calls": False makes every call wait.'
         )
 

@@ -1,4 +1,4 @@
-"""The thread-local state a task runs with, wherever it runs (design.md §4j).
+"""The thread-local state a task runs with, wherever it runs (design.md §4.7).
 
 A pipelined step runs every forward in a pool thread: the leader's step function once per
 microbatch, and each served call on its owner. In one process all of them would run on the

@@ -160,12 +160,12 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
         # of their gradients (a call that sent some but got none back may be quiet).
         self.grads_back = LRU()
         self.threads = self._held.threads
-        # Zero-bubble split (design.md §4g): stages other than the leader's compute a served
+        # Zero-bubble split (design.md §4.4): stages other than the leader's compute a served
         # call's input gradients first and its weight gradients when idle. Not with TP (its
         # ranks must run the same tasks, and weight tasks fill idle time).
         splits = self.stage != 0 and self.order_group is None
         deferred = int(getattr(state.config, "deferred_weight_microbatches", 0) or 0)
-        # "static" (design.md §4h): this stage's program orders its work; it places weight
+        # "static" (design.md §4.5): this stage's program orders its work; it places weight
         # halves itself (only zero-bubble programs have W actions).
         self.program: list[str] = []
         if state.config.pipeline == "static":
@@ -181,7 +181,7 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
         self.split_weights = self.deferred_weights > 0
         # Only the step's last microbatches split (all of them under a program, which places
         # every W itself): earlier weight halves have no idle time to fill, and a split
-        # backward costs more than a whole one (design.md §4g).
+        # backward costs more than a whole one (design.md §4.4).
         self.split_from = 0 if self.program else state.config.microbatches - self.deferred_weights
         # Not with TP either: its ranks must run the same tasks, slices included. Not where
         # served calls are split: a served call's backward is then one segment, so all of its
@@ -243,7 +243,7 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
 
     def _new_transport(self):
         """Headers (and host tensors) on the pipeline group's host side; device tensors on the
-        payload groups where there are some (NCCL; design.md §4k), else staged through the
+        payload groups where there are some (NCCL; design.md §4.8), else staged through the
         host. Received device tensors land on this rank's device."""
         peers = [s for s in range(self.num_stages) if s != self.stage]
         return _C.Transport(
@@ -435,7 +435,7 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
 
     def _await_stage_ends(self) -> None:
         """On the leader, after its STEP_END: waits until every other stage has run the rest of
-        its step (weight gradients it deferred, §4g) and said so with a STEP_END of its own. A
+        its step (weight gradients it deferred, §4.4) and said so with a STEP_END of its own. A
         stage that fails there sends ERROR instead, raised here as that stage's error; without
         this wait the leader would have finished and found the ERROR unread (a transport error
         naming no cause)."""

@@ -22,7 +22,7 @@ segment then runs those nodes with its own share (keeping their saved tensors), 
 interval runs them again with the rest; gradients add up because backward is linear in the
 incoming gradient.
 
-Zero-bubble split (``split_weights``, design.md §4g): a segment with no earlier intervals may
+Zero-bubble split (``split_weights``, design.md §4.4): a segment with no earlier intervals may
 compute its boundary leaves' gradients first and its parameters' later. The *input half* is
 the ``torch.autograd.grad`` call above without the parameters, so autograd skips every
 weight-gradient product; it keeps the graph and records, with a pre-hook, the gradient reaching
@@ -91,7 +91,7 @@ def _grad(
     Calls the engine as that function does, without its Python around the call: argument
     normalisation, ``__torch_function__`` checks, and ``_make_grads``, which for every output
     builds its input metadata and compares shapes symbolically. The runtime makes one of these
-    calls per segment and, where weight gradients are split, one per weight group (§4g); alone,
+    calls per segment and, where weight gradients are split, one per weight group (§4.4); alone,
     one call to a Linear's weight and bias takes 30-34 us this way against 46-49 us. Every
     root that is a gradient edge has a gradient autograd computed for it; ``run_segment`` checks
     the shapes of those given for tensors, which may come from the user's ``model.backward``.

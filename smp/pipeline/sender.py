@@ -1,4 +1,4 @@
-"""Sending a step's pipeline messages without making the sender wait (design.md §4d).
+"""Sending a step's pipeline messages without making the sender wait (design.md §4.8).
 
 ``Transport.send`` returns only when the peer has taken every part of the message; on gloo that
 includes waking the peer's receiver thread, which costs milliseconds when every core is busy
@@ -35,7 +35,7 @@ class Sender:
 
     def __init__(self, transport, peers: list[int], timeout_s: float, device=None):
         self.transport = transport
-        self.device = device  # a CUDA device the threads make current (design.md §4k)
+        self.device = device  # a CUDA device the threads make current (design.md §4.8)
         self.timeout_s = timeout_s
         self.error: BaseException | None = None
         self._queues = {peer: queue.SimpleQueue() for peer in peers}

@@ -1,4 +1,4 @@
-"""The owner's side of a remote call (design.md §4c, §4d, §4i): serving REQUESTs and FETCHes.
+"""The owner's side of a remote call (design.md §4.3, §4.8, §4.6): serving REQUESTs and FETCHes.
 
 A REQUEST becomes a served worker (:meth:`ServingMixin._served_worker`) that starts once every
 input it takes by reference to an earlier call's output is computed and every input fetched
@@ -30,7 +30,7 @@ def _call_and_note_changes(module: nn.Module, args: tuple, kwargs: dict, values:
     """Runs a served call. Returns (outputs, changed, written): the arguments whose state the
     forward changed (a cache it appended to), as ``[(position or keyword, value)]``, and the
     request tensors whose data it changed in place (their version counter moved), as
-    ``[(request slot, new data)]``, for the caller to take over (design.md §4i). Notes on
+    ``[(request slot, new data)]``, for the caller to take over (design.md §4.6). Notes on
     ``worker`` which tensors came with the request, so that a tensor handed back unchanged
     travels as a reference to the caller's own (``messages.Sent``)."""
     watched = [*enumerate(args), *kwargs.items()]

@@ -8,7 +8,7 @@ keeps what its backward needs: its remote calls (:class:`_Call`), which cut its 
 intervals, and the inputs it fetched from a third stage (:class:`_PeerFetch`).
 
 Also here: the threads workers run in, kept across steps (:class:`_Threads`); each worker's
-random stream (:class:`_Streams`, design.md §4j); and the timeline of what ran when
+random stream (:class:`_Streams`, design.md §4.7); and the timeline of what ran when
 (:class:`_Recorder`).
 """
 
@@ -65,7 +65,7 @@ class _Call:
 @dataclasses.dataclass
 class _PeerFetch:
     """A served call's input that the caller passed by reference to an output of a third stage:
-    fetched from that stage, whose call gets this input's gradient back (design.md §4d)."""
+    fetched from that stage, whose call gets this input's gradient back (design.md §4.8)."""
 
     worker: Any  # the served call that takes it
     index: int  # its position among the served call's input values
@@ -169,7 +169,7 @@ class _Worker:
         self.replies_due = 0  # calls whose REPLY has not arrived
         self.acks_due = 0  # calls whose GRAD_IN has not arrived
         self.started = False  # handed to a thread (it may not have been granted yet)
-        # Its own random stream (design.md §4j): the default generators hold this state while
+        # Its own random stream (design.md §4.7): the default generators hold this state while
         # it runs, so what it draws does not depend on the order the stages' tasks ran in.
         self.rng_key = 0
         self.rng_states: list[torch.Tensor] | None = None
@@ -237,7 +237,7 @@ class _Worker:
 
     def maybe_slice(self) -> None:
         """Before a large local module's forward: ends the current interval there (when it has
-        any autograd node), so its backward is a separate task (design.md §4e)."""
+        any autograd node), so its backward is a separate task (design.md §4.4)."""
         if self.next_interval != -1 or not self.grad or not torch.is_grad_enabled():
             return  # not in this worker's forward (a recomputation in backward), or no graph
         if segments.mark() == self.starts[-1]:
@@ -315,7 +315,7 @@ def _mix(key: int, value: int) -> int:
 
 
 class _Streams:
-    """Per-worker random streams for a step (design.md §4j).
+    """Per-worker random streams for a step (design.md §4.7).
 
     The workers of a step share the default generators (CPU, and the current CUDA device's),
     and which worker runs when depends on timing: dropout in a pipelined step drew different

@@ -2,7 +2,7 @@
 //
 // A collective that fails (a peer died, the backend timed out, the group was aborted) reports a
 // failure elsewhere, not a mistake in the code that called it. smp tells the two apart by type
-// (smp.step names the rank whose own code failed, design.md §4j), so every collective smp
+// (smp.step names the rank whose own code failed, design.md §4.7), so every collective smp
 // issues in C++ goes through run_collective, which turns whatever the backend throws into
 // CollectiveError (smp._C.CollectiveError in Python, a RuntimeError).
 //

@@ -82,7 +82,7 @@ int64_t allreduce_mean_(const std::vector<at::Tensor>& tensors,
                         int64_t bucket_bytes);
 
 /// Bucket all-reduces issued one at a time, as their tensors become final, and waited together:
-/// the overlapped gradient reduction (smp/dp/reduction.py, design.md §2a). Each `issue` flattens its
+/// the overlapped gradient reduction (smp/dp/reduction.py, design.md §2). Each `issue` flattens its
 /// tensors into a new buffer (a copy: the tensors may still be read or written by the caller
 /// while the collective runs) and starts one SUM all-reduce of it; `wait` waits for all of them
 /// and returns each buffer divided by the divisor given with it.

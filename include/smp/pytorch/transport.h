@@ -40,7 +40,7 @@
 //     nothing else may send or receive on that tag between these ranks.
 //   - The peers lists are symmetric: if rank a lists b, b lists a.
 //   - Tensors may live on the CPU or on a device (CUDA). Where they travel and where they land
-//     (Note [Payload routes] in transport.cpp, docs/design.md §4k): headers always go on `group`
+//     (Note [Payload routes] in transport.cpp, docs/design.md §4.8): headers always go on `group`
 //     (a host-side group: gloo). A device tensor goes device to device on a payload group whose
 //     backend for its device is not gloo (NCCL: ordered on the streams, no host wait);
 //     otherwise it is staged through host memory. Host bytes go inline in the header when they

@@ -852,7 +852,7 @@ TEST(ServerPolicyTest, HeaderExample) {
 }
 
 }  // namespace
-// Weight halves of backward segments (design.md §4g) wait for idle time, up to a number of
+// Weight halves of backward segments (design.md §4.4) wait for idle time, up to a number of
 // microbatches; beyond it the oldest run before new forward work, never before a backward.
 TEST(ServerPolicyTest, WeightsFillIdleTimeAndRunFirstBeyondTheLimit) {
   ServerPolicy other(kInterleaved, 4, 4, false, /*deferred_weight_microbatches=*/1);

@@ -121,7 +121,7 @@ def _worker(kind: str, layout: tuple[int, int, int], how: str):
     plain = _train(kind, layout, None)
     checked = _train(kind, layout, how)
     # A pipelined step adds the shares of a tied weight's gradient (the GPT's embedding and
-    # head) in an order that depends on timing (design.md §4g), so two runs of it differ in
+    # head) in an order that depends on timing (design.md §4.4), so two runs of it differ in
     # rounding with or without checkpointing; elsewhere the runs agree bit for bit.
     _compare(plain, checked, exact=layout[0] == 1 or kind == "llama")
     return plain[3], checked[3], [x.item() for x in plain[0]]

@@ -1,4 +1,4 @@
-"""The gradient reduction overlapped with the backward (smp/dp/reduction.py, design.md §2a).
+"""The gradient reduction overlapped with the backward (smp/dp/reduction.py, design.md §2).
 
 Small buckets (a few KiB) so that the tiny models here have many, issued during the last
 microbatch's backward. Every test compares with one process computing the same global batch:

@@ -1,5 +1,5 @@
 """Pipeline runtime: what a module on another stage does to its arguments reaches
-the caller as in one process, or the step fails on every rank (design.md §4i).
+the caller as in one process, or the step fails on every rank (design.md §4.6).
 
 - A container argument changed by a module on stage 1 (a deque, bytearray, set, dict subclass,
   array it appends to) comes back changed, however its type holds its items; a value whose

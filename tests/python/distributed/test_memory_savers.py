@@ -14,7 +14,7 @@ that its checkpointed frames went to the host and came back (as many loads as of
 
 Tolerance rtol = atol = 1e-5, not bitwise: at pp 2 the pipeline runtime adds the shares of a
 gradient (microbatches, tied weights) in an order that depends on timing, so two runs of the
-same configuration may differ in the last bits (design.md §7a, §7c); each saver alone is
+same configuration may differ in the last bits (design.md §7.1, §7.3); each saver alone is
 tested bitwise where the layout allows it (test_activation_checkpointing.py, test_zero.py).
 """
 

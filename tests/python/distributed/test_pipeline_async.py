@@ -1,4 +1,4 @@
-"""Asynchronous cross-stage calls (design.md §4c): chained calls to one stage run without round
+"""Asynchronous cross-stage calls (design.md §4.3): chained calls to one stage run without round
 trips, outputs used on the caller, passed on by reference, or both give exact gradients, a step
 whose calls change is still exact, and a module whose output structure changes makes smp run
 the step again, exactly, with that module's calls waiting (or, when the step cannot be undone,
@@ -230,7 +230,7 @@ def _structure_steps(smp, workers, module, reference, model, kind, replies):
         reruns.append(model._runtime.reruns)
         replied.append(tuple(replies))
         # Each microbatch draws from its own stream, keyed by one draw of the leader's
-        # generator per step (design.md §4j); a rerun restores the generator first.
+        # generator per step (design.md §4.7); a rerun restores the generator first.
         torch.manual_seed(100 + step)
         base = int(torch.randint(0, workers._MASK, (), dtype=torch.int64))
         streams = [torch.Generator().manual_seed(workers._mix(base, mb)) for mb in range(2)]
@@ -736,7 +736,7 @@ def _sliced_worker():
 
 
 def test_large_modules_slice_the_backward_and_stay_exact(pools):
-    """Every block on a stage starts a backward slice (design.md §4e), and nothing inside a
+    """Every block on a stage starts a backward slice (design.md §4.4), and nothing inside a
     block does (its MLP is as large, but a slice there would cut the residual stream twice):
     the backward of the intervals between them runs as separate tasks, and the gradients stay
     exact. Stage 1 serves each block as a call of its own, which starts an interval anyway:
@@ -822,7 +822,7 @@ def _split_worker(deferred: int):
 @pytest.mark.parametrize("deferred", [0, 1, 4])
 def test_weight_gradients_apart_are_exact_and_fail_cleanly(pools, deferred):
     """Stage 1 computes its served calls' input gradients first and their weight gradients as
-    separate tasks (design.md §4g) for the step's last ``deferred`` microbatches: one per
+    separate tasks (design.md §4.4) for the step's last ``deferred`` microbatches: one per
     served call and such microbatch (2 blocks x 1 or 4), none on the leader, none with the
     split off. Gradients match the reference however many microbatches' weights may wait, and
     a weight task that fails fails the step everywhere."""

@@ -1,4 +1,4 @@
-"""The pipeline runtime's failure modes (design.md §4j): messages that share an id, thread-local
+"""The pipeline runtime's failure modes (design.md §4.7): messages that share an id, thread-local
 state that must reach served calls, waits that must end, failures named by type, and runtimes
 released with their model."""
 

@@ -1,4 +1,4 @@
-"""The pipeline with its messages split as under NCCL (design.md §4k): headers on the pipeline
+"""The pipeline with its messages split as under NCCL (design.md §4.8): headers on the pipeline
 group, tensors too big for the header on the payload groups (one per direction). Under NCCL the
 payload groups carry the device tensors; here, on CPU-only machines, they are gloo groups that
 carry the host tensors, so the same code paths (group creation, transports built with payload

@@ -1,4 +1,4 @@
-"""Ops on another stage's outputs run there (design.md §4c, Note [Ops on futures run where the
+"""Ops on another stage's outputs run there (design.md §4.3, Note [Ops on futures run where the
 value is] in smp/pipeline/calls.py): an unmodified Hugging Face Llama trained with
 ``model(input_ids=x, labels=x).loss`` (the loss in the root's forward, on stage 0, while the head
 is on stage 1) leaves its logits on stage 1, and still equals one process: the loss every step

@@ -60,14 +60,14 @@ def test_timeline_records_every_microbatch_on_every_stage(pools, tmp_path, sched
     r = results[0]
     splits = schedule != "static/1f1b"  # 1F1B's program has no weight halves
     # Under a program every microbatch splits; else the step's last deferred_weight_microbatches
-    # (2 by default at pp 2, design.md §4g)
+    # (2 by default at pp 2, design.md §4.4)
     split_mbs = range(4) if schedule.startswith("static") else range(2, 4)
     assert results[1]["program"] == r["program"]  # every rank gets the same timeline
     for rank, program in r["program"].items():
         for mb in range(4):
             assert f"{rank}F{mb}" in program and f"{rank}B{mb}" in program, (rank, program)
         assert all(a[1] in "FBW" and int(a[0]) == rank for a in program), program
-        # Stage 1 serves its calls with their weight gradients apart (design.md §4g); the
+        # Stage 1 serves its calls with their weight gradients apart (design.md §4.4); the
         # leader never splits.
         for mb in range(4):
             assert (f"{rank}W{mb}" in program) == (rank == 1 and splits and mb in split_mbs)

@@ -210,7 +210,7 @@ def _hf_worker(kind, tp, microbatches, pp=1, bucket_cap_mb=25):
 
     losses = _run_parity(smp, model, reference, loss_of, 64, TOL32, microbatches, False)
     stages = [model.partition_plan.assignment[f"{blocks}.{i}"] for i in range(2)]
-    if bucket_cap_mb < 1:  # the dp and rdp reductions went out during the backward (§2a)
+    if bucket_cap_mb < 1:  # the dp and rdp reductions went out during the backward (§2)
         groups = {b.group for b in model._grads.reduction.buckets}
         assert groups == {"dp", "rdp"}, groups
         assert model._grads.reduction.issued_early == len(model._grads.reduction.buckets) > 10

@@ -1,4 +1,4 @@
-"""Where things live (design.md §4k): each rank's device from the configuration, and a
+"""Where things live (design.md §4.8): each rank's device from the configuration, and a
 pipelined model's parameters moved by ownership after the partition (the meta device stands
 in for a GPU: what moves there loses its values, what stays keeps them)."""
 

@@ -1,6 +1,6 @@
 """``messages.assign``: the caller's argument takes the state a module on
 another stage left in its copy, for every type whose state can be assigned in place, and a
-type whose state cannot be is refused by name, never dropped (design.md §4i)."""
+type whose state cannot be is refused by name, never dropped (design.md §4.6)."""
 
 from __future__ import annotations
 
