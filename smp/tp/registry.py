@@ -20,6 +20,9 @@ Two kinds of registration:
     own forward; their projections become column/row-parallel DistributedLinear shards (a
     "sharding plan"), so every feature of the block (rotary embeddings, grouped-query attention,
     its attention kernels) keeps working, and the state-dict keys stay the same.
+
+One file of a little over 800 lines: the built-in converters and the sharding plans go through
+the same checks, refusals and state loading as a user's registration, which are private to it.
 """
 
 from __future__ import annotations
