@@ -38,8 +38,14 @@ from smp.dp import replicas, sharded
 from smp.dp.grads import StepGrads, group_and_divisor
 from smp.memory import delayed, materialize, offload
 from smp.partitioning import placement
+from smp.partitioning.plan import build_plan
+from smp.partitioning.trace import trace_modules
+from smp.pipeline.runtime import PipelineRuntime
 from smp.state import get_state
 from smp.step import shadow_steps
+from smp.tp.functional import local_only
+from smp.tp.lm_head import distribute_lm_head
+from smp.tp.registry import alias_layer_lists, distribute_marked_modules
 
 __all__ = ["DistributedModel"]
 
@@ -116,9 +122,6 @@ class DistributedModel(nn.Module):
             delayed.placeholders(module)
             self.distributed_modules = _Paths()  # paths replaced by tensor-parallel versions
             if cfg.tensor_parallel_degree > 1:
-                from smp.tp.lm_head import distribute_lm_head
-                from smp.tp.registry import distribute_marked_modules
-
                 # A causal LM's head (and its tied input embedding) first: the two are split
                 # together, along the vocabulary, which the module-by-module walk cannot do.
                 heads, why_not = distribute_lm_head(module, state.groups["tp"])
@@ -140,8 +143,6 @@ class DistributedModel(nn.Module):
                         ", ".join(self.distributed_modules[:8])
                         + (" ..." if len(self.distributed_modules) > 8 else ""),
                     )
-            from smp.tp.registry import alias_layer_lists
-
             alias_layer_lists(module)  # v1's `seq_layers` name for a marked model's layer list
             # A pipelined model stays where it was built until the partition; then each rank
             # moves only what it owns to its device (never the whole model to one GPU).
@@ -321,8 +322,6 @@ class DistributedModel(nn.Module):
                 "partition_report() are available after it (smp.plan_partition previews the plan)"
             )
         if self._partition_plan is None:
-            from smp.partitioning.plan import build_plan
-
             self._partition_plan = build_plan(
                 self.module, 1, None, get_state().config.memory_weight
             )
@@ -432,9 +431,6 @@ class DistributedModel(nn.Module):
         ``run_first_microbatch`` runs the step function on microbatch 0; tracing stops it right
         after the model's forward. Any failure is raised on every rank.
         """
-        from smp.partitioning.plan import build_plan
-        from smp.partitioning.trace import trace_modules
-
         state = get_state()
         cfg = state.config
         payload: list[Any] = [None]
@@ -443,8 +439,6 @@ class DistributedModel(nn.Module):
                 traces = None
                 if not cfg.skip_tracing:
                     self.module.to(self.tracing_device())  # "gpu": the model must fit one
-                    from smp.tp.functional import local_only
-
                     # Rank 0 runs the model alone: distributed modules must not communicate.
                     # Delayed parameters hold values only while their module runs.
                     with (
@@ -477,8 +471,6 @@ class DistributedModel(nn.Module):
             raise StepFailedError(f"smp: partitioning the model failed on rank 0: {value}")
         self._partition_plan = value
         self.partitioned = True
-        from smp.pipeline.runtime import PipelineRuntime
-
         self._runtime = PipelineRuntime(state, self.module, value.assignment, value.module_costs())
         placement.release_remote(self.module, self._owns)
         self._place_owned(state.device)

@@ -26,6 +26,8 @@ from smp import _C
 from smp.comm import collective
 from smp.core import tree
 from smp.core.errors import StepFailedError
+from smp.core.rng import random_streams, set_random_streams
+from smp.memory import offload
 from smp.pipeline.runtime import CallStructureChanged
 from smp.state import State, get_state
 
@@ -217,8 +219,6 @@ class _Rewind:
 
     def __init__(self, state: State, models: list):
         self.models = models
-        from smp.core.rng import random_streams
-
         self.streams = random_streams()
         # (model, owning module, name, qualified name, tensor, version, copy or None)
         self.buffers: list[tuple] = []
@@ -264,8 +264,6 @@ class _Rewind:
         return None
 
     def restore(self) -> None:
-        from smp.core.rng import set_random_streams
-
         set_random_streams(self.streams)
         for _, module, name, _, buf, _, saved in self.buffers:
             if saved is not None:  # always: a norm's statistics change without a version bump
@@ -333,8 +331,6 @@ class _StepFunction:
         if state.in_step:
             raise RuntimeError("smp.step functions cannot be nested: one step runs at a time")
         if state.config.offload_activations:
-            from smp.memory import offload
-
             offload.current().new_step()
         num_mb = state.config.microbatches
         if state.device.type != "cpu":  # the step's tensors go where the (first) stage computes

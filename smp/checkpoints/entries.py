@@ -11,6 +11,7 @@ import torch
 
 from smp.checkpoints.integrity import CheckpointError
 from smp.checkpoints.keys import MASTER_KEY
+from smp.dp import sharded
 
 __all__ = [
     "model_entries",
@@ -29,7 +30,6 @@ def _entry(value: Any, param: torch.Tensor | None, state) -> Any:
     """``value`` as DCP sees it: the chunks of the full tensor when it is a TP shard shaped
     like its split parameter ``param`` or a sharded data parallel chunk, else itself."""
     from smp.checkpoints.dcp import _Chunks
-    from smp.dp import sharded
 
     split = getattr(param, "_smp_tp_split", None)
     if sharded.is_sharded(value):  # a sharded data parallel chunk (of a TP shard)

@@ -67,6 +67,7 @@ from smp.checkpoints.entries import (
 from smp.checkpoints.files import fsync_directory, write_atomically
 from smp.checkpoints.integrity import CheckpointError, _digest, _load_plain, _torch_save
 from smp.checkpoints.keys import MASTER_KEY
+from smp.core.rng import random_streams, set_random_streams
 from smp.state import get_state
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "CheckpointError"]
@@ -83,14 +84,10 @@ NEWEST = "newest"
 
 def _rng_state() -> dict[str, Any]:
     """This rank's random streams (smp.tp.functional.random_streams) and Python's."""
-    from smp.core.rng import random_streams
-
     return {**random_streams(), "python": random.getstate()}
 
 
 def _set_rng_state(saved: dict[str, Any]) -> None:
-    from smp.core.rng import set_random_streams
-
     set_random_streams(saved)
     random.setstate(saved["python"])
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from smp.core import tree
+from smp.core.rng import random_streams, set_random_streams
 from smp.core.tracing import is_tracing
 
 __all__ = [
@@ -118,8 +119,6 @@ class Frame:
     recomputed tensor lives until the graph drops the handle that stands for it."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, preserve_rng: bool):
-        from smp.core.rng import random_streams
-
         self.fn = fn
         self.inputs = tree.map_tensors(_detached, (args, kwargs))
         self.versions = [t._version for t in tree.tensors(self.inputs)]
@@ -158,8 +157,6 @@ class Frame:
                 self.modified = tuple(t.shape)
 
     def recompute(self) -> None:
-        from smp.core.rng import random_streams, set_random_streams
-
         if self.offloaded is not None:
             self.offloaded.load(self)  # not brought back in time: now, on this thread
         self.check_versions()

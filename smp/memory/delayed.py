@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from smp.core import tree
+from smp.core.shards import shard_tensor
 
 __all__ = ["delay_param_initialization", "materialize", "Record", "Derived"]
 
@@ -475,8 +476,6 @@ class Derived:
     def replay(self, base: torch.Tensor | None = None, pool: dict | None = None) -> torch.Tensor:
         """This rank's shard (in ``base`` when its size fits); the whole source replays into a
         storage of ``pool`` when one of its size is there, and goes back to it after."""
-        from smp.core.shards import shard_tensor
-
         full = _replayed_into_pool(self.source, pool)
         shard = shard_tensor(full, self.split[0], self.split[1], self.size, self.rank)
         if base is None or base.numel() != shard.numel():

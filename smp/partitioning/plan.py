@@ -24,6 +24,7 @@ from torch import nn
 
 from smp import _C
 from smp.config import build_config
+from smp.memory import activations
 from smp.partitioning.trace import ModuleTrace, _pin_of, trace_modules
 
 __all__ = ["plan_partition", "PartitionPlan", "CrossingCosts", "StageLink", "build_plan"]
@@ -54,8 +55,6 @@ class _UnionFind:
 def _atomic(module: nn.Module) -> bool:
     """Whether ``module``'s forward must run whole on one stage: a tensor-parallel region
     (``_smp_atomic``) or a checkpointed module (its recompute runs in its owner's backward)."""
-    from smp.memory import activations
-
     return bool(getattr(module, "_smp_atomic", False)) or activations.is_checkpointed(module)
 
 

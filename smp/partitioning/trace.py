@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from smp.core.creation import creation_hook
+from smp.core.rng import random_streams, set_random_streams
 from smp.core.tracing import tracing_pass
 
 __all__ = ["partition", "set_partition", "ModuleTrace", "CallTrace", "trace_modules"]
@@ -229,8 +230,6 @@ def _preserved_state(module: nn.Module) -> Iterator[None]:
     The TP generators too: rank 0 traces alone, and a draw there that its TP peers do not make
     would give the group different "replicated" dropout masks from then on (and replicated
     parameters that drift apart)."""
-    from smp.core.rng import random_streams, set_random_streams
-
     streams = random_streams()
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     try:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from smp import _C
+from smp.memory import activations
 
 __all__ = ["CallMode", "StepContext"]
 
@@ -50,8 +51,6 @@ class CallMode:
 
     @classmethod
     def current(cls) -> CallMode:
-        from smp.memory import activations
-
         autocast = tuple(
             torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
             for d in AUTOCAST_DEVICES

@@ -37,6 +37,7 @@ from smp.tp import functional as tpf
 from smp.tp.agreement import DivergentArgumentsError, _exchange
 from smp.tp.modules import DistributedEmbedding, DistributedModule
 from smp.tp.region import _region_scope, batch_is_shared, in_region
+from smp.tp.registry import _MARK
 from smp.tp.subclasses import computes_linear, own_forward, with_parameters
 
 __all__ = ["VocabParallelHead", "causal_lm_loss", "full_logits", "distribute_lm_head"]
@@ -238,8 +239,6 @@ def _agree_on_batch(root: nn.Module, labels, arguments: dict) -> int:
 
 
 def _marked(module: nn.Module) -> bool:
-    from smp.tp.registry import _MARK
-
     return isinstance(getattr(module, _MARK, None), dict)
 
 

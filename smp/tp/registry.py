@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from smp.core.creation import creation_hook
-from smp.memory import delayed
+from smp.core.unbuilt import fail
+from smp.memory import activations, delayed
 from smp.tp import functional as tpf
 from smp.tp.modules import (
     DistributedEmbedding,
@@ -219,8 +220,6 @@ def _v1_kernel_options(tp_config: dict) -> dict:
     """``tp_config`` without SMP v1's kernel options, each noted once on rank 0; ``use_alibi``
     (a different model, not built) raises when true."""
     if tp_config.get("use_alibi"):
-        from smp.core.unbuilt import fail
-
         fail("smp.tensor_parallelism(use_alibi=True)", "ALiBi attention biases")
     out = {}
     for key, value in tp_config.items():
@@ -299,9 +298,7 @@ def model_creation(
         from smp.state import get_state, is_initialized
 
         if is_initialized() and get_state().config.delayed_parameter_initialization:
-            from smp.memory.delayed import delay_param_initialization
-
-            stack.enter_context(delay_param_initialization())
+            stack.enter_context(delayed.delay_param_initialization())
         yield
 
 
@@ -318,8 +315,6 @@ def is_distributed_parameter(param: torch.Tensor) -> bool:
 
 def carry_checkpointing(old: nn.Module, new: nn.Module) -> None:
     """Gives ``new`` (the distributed version of ``old``) ``old``'s activation checkpointing."""
-    from smp.memory import activations
-
     options = activations.options_of(old)
     if options is not None:
         activations.set_activation_checkpointing(new, **dataclasses.asdict(options))

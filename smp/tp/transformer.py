@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smp import kernels
+from smp.core.unbuilt import fail
 from smp.tp import functional as tpf
 from smp.tp.modules import DistributedEmbedding, DistributedLinear, DistributedModule, _tag
 from smp.tp.region import _region_scope, batch_is_shared, in_region, run_region
@@ -522,8 +523,6 @@ class DistributedTransformerLayer(_LayerCall, DistributedModule):
         super().__init__(group)
         _check_norms(pre_layernorm, post_layernorm)
         if use_alibi:
-            from smp.core.unbuilt import fail
-
             fail("smp.nn.DistributedTransformerLayer(use_alibi=True)", "ALiBi attention biases")
         self.optimize = _check_optimize(optimize)
         self.add_cross_attention = add_cross_attention
