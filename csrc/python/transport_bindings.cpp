@@ -15,6 +15,7 @@
 #include "python/bindings.h"
 #include "smp/error.h"
 #include "smp/pytorch/collective.h"
+#include "smp/pytorch/sender.h"
 #include "smp/pytorch/server.h"
 #include "smp/pytorch/transport.h"
 
@@ -26,6 +27,7 @@ namespace {
 using pytorch::Message;
 using pytorch::PipelineServer;
 using pytorch::RemoteStageError;
+using pytorch::Sender;
 using pytorch::Transport;
 using pytorch::TransportError;
 
@@ -41,13 +43,15 @@ std::chrono::milliseconds to_millis(double seconds, const char* name, bool allow
 
 // The destructor may join receiver threads (Transport::abort()): do not hold the GIL meanwhile,
 // since the backend's side of a wake-up may need it (see comm_bindings.cpp on gloo and the GIL).
+// (A Sender's destructor waits for its threads' sends likewise.)
+template <typename T>
 struct DeleteWithoutGil {
-  void operator()(Transport* transport) const {
+  void operator()(T* object) const {
     if (PyGILState_Check()) {
       py::gil_scoped_release no_gil;
-      delete transport;
+      delete object;
     } else {
-      delete transport;
+      delete object;
     }
   }
 };
@@ -61,7 +65,7 @@ void init_transport_bindings(py::module_& m) {
   // A failure of a collective smp issued (smp/pytorch/collective.h): a failure elsewhere.
   py::register_exception<pytorch::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);
 
-  py::class_<Transport, std::unique_ptr<Transport, DeleteWithoutGil>>(
+  py::class_<Transport, std::unique_ptr<Transport, DeleteWithoutGil<Transport>>>(
       m, "Transport",
       R"doc(Point-to-point messages between this rank and its peers (smp/pytorch/transport.h).
 
@@ -87,7 +91,7 @@ Raises:
                        double timeout_s, int tag,
                        std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> payload_groups,
                        std::optional<c10::Device> device) {
-             return std::unique_ptr<Transport, DeleteWithoutGil>(new Transport(
+             return std::unique_ptr<Transport, DeleteWithoutGil<Transport>>(new Transport(
                  group, std::move(peers), to_millis(timeout_s, "timeout_s", false), tag,
                  std::move(payload_groups), device.value_or(c10::Device(c10::kCPU))));
            }),
@@ -141,6 +145,7 @@ Raises:
             {
               py::gil_scoped_release no_gil;
               message = self.recv(timeout);
+              if (message) message->wait_ready();  // the caller uses its tensors from now on
             }
             if (!message) return py::none();
             return py::make_tuple(message->peer, message->header, message->tensors);
@@ -190,6 +195,58 @@ Raises:
                              [](const Transport& self) { return self.timeout().count() / 1000.0; })
       .def_property_readonly("device", &Transport::device)
       .def_property_readonly("started", &Transport::started);
+
+  py::class_<Sender, std::unique_ptr<Sender, DeleteWithoutGil<Sender>>>(
+      m, "Sender",
+      R"doc(Sends a step's messages on threads of its own, one per peer (smp/pytorch/sender.h).
+
+Messages to one peer go in the order they were given; those that queue up while one is on the
+wire go as one batch. Device tensors: the send waits on an event recorded on the calling
+thread's current stream when the message is queued, from a stream of its own (design.md §4.8).
+The transport must stay started until close() has returned.
+
+Args:
+    transport: a started smp._C.Transport (kept alive by the Sender).
+    peers: the peers to send to (peers of the transport).
+    timeout_s: how long close() waits for the queues to drain, seconds > 0.
+)doc")
+      .def(py::init([](Transport* transport, const std::vector<int>& peers, double timeout_s) {
+             return std::unique_ptr<Sender, DeleteWithoutGil<Sender>>(
+                 new Sender(transport, peers, to_millis(timeout_s, "timeout_s", false)));
+           }),
+           py::arg("transport"), py::arg("peers"), py::arg("timeout_s"), py::keep_alive<1, 2>())
+      .def(
+          "send",
+          [](Sender& self, int peer, std::vector<int64_t> header, std::vector<at::Tensor> tensors,
+             bool wait) {
+            if (!wait) {  // a lock and a notify: cheaper than giving the GIL away
+              self.send(peer, std::move(header), std::move(tensors), false);
+              return;
+            }
+            py::gil_scoped_release no_gil;
+            self.send(peer, std::move(header), std::move(tensors), true);
+          },
+          py::arg("peer"), py::arg("header"), py::arg("tensors"), py::arg("wait") = false,
+          R"doc(Queues a message for `peer`; with `wait`, returns once it has been sent.
+
+The tensors must not be modified in place until the message is sent.
+
+Raises:
+    The first error of an earlier send (TransportError, ValueError); the transport was aborted.
+    TransportError: with `wait`, the message was not sent within timeout_s per queued message.
+    ValueError: an unknown peer, or the sender is closed.
+)doc")
+      .def(
+          "close",
+          [](Sender& self) {
+            py::gil_scoped_release no_gil;
+            return self.close();
+          },
+          "Waits (timeout_s at most) until every queued message is sent or failed and ends the "
+          "threads; returns the peers still being sent to then (the transport was aborted to "
+          "stop them). Idempotent.")
+      .def("check", &Sender::check, "Raises the first send error, if any.")
+      .def_property_readonly("sent", &Sender::sent, "Messages sent so far.");
 
   py::register_exception<RemoteStageError>(m, "RemoteStageError", PyExc_RuntimeError);
 

@@ -151,6 +151,9 @@ std::optional<ServerTask> PipelineServer::next(std::chrono::milliseconds timeout
         out.target = it->second.target;
         out.message = std::move(it->second.message);
         pending_.erase(it);
+        // Its consumer runs now: the compute stream waits for its device tensors from here on
+        // (Note [Stream discipline] in transport.cpp).
+        out.message->wait_ready();
       }
       return out;
     }

@@ -1,6 +1,8 @@
 #include "smp/pytorch/transport.h"
 
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -47,14 +49,8 @@ namespace smp::pytorch {
 // can wake. A tensor travels
 //   - on the payload group for its direction (kOnPayload, kDeviceBytes) when it is on a device
 //     and that group has a backend for the device's type: with NCCL, CUDA tensors go device to
-//     device, never inline (that would read device memory on the host). The
-//     works order the streams: c10d makes its NCCL stream wait for the issuing thread's
-//     current stream, and Work::wait() without a timeout makes the waiting thread's current
-//     stream wait for the NCCL stream, without blocking the host (with a timeout it would
-//     block). The sender waits so, so a caller that modifies the tensor afterwards does so
-//     after the send on its stream; the receiver allocates the buffer on its current stream
-//     (the device's default stream, under the DeviceGuard of the receiver thread) and waits so
-//     too, so the tensor is ready for whoever computes on that stream, as smp's workers do;
+//     device, never inline (that would read device memory on the host). The streams they
+//     wait on follow Note [Stream discipline];
 //   - else as host bytes: a device tensor is first copied to the host (kOnDevice;
 //     synchronous on the sender's current stream, so it sees the producer's writes) and the
 //     receiver copies it to its device. Host bytes go inline when they fit the header, else
@@ -62,6 +58,32 @@ namespace smp::pytorch {
 //     This is the gloo path: ranks that share one GPU (NCCL refuses two ranks on one device)
 //     and CPU-only runs. A CPU tensor with an NCCL payload group stays on the header's group
 //     (NCCL has no CPU backend), e.g. a call's pickled skeleton too big for the header.
+
+// Note [Stream discipline]
+// c10d orders a device send or receive against the *current stream of the thread that issues or
+// waits on it*: the NCCL stream waits for the issuing thread's current stream, and
+// Work::wait() makes the waiting thread's current stream wait for the NCCL stream. Were those
+// the compute stream (the device's default stream, where smp runs every module), stage A's
+// compute would wait for a gradient B has not sent yet while A's activation send to B waits
+// for A's compute: in 1F1B's steady state both stages do this at once, and neither send can
+// start. So no thread that issues or waits on a payload does it on the compute stream:
+//   - a send waits only on its tensors' producer: smp::pytorch::Sender records an event on the
+//     producer's current stream when the message is queued, and its thread for the peer sends
+//     from a stream of its own that waits on that event alone (sender.cpp);
+//   - a receive is posted and waited, and host-staged bytes are copied to the device, on a
+//     stream of the receiver thread's own (one per peer), where its buffers are allocated too;
+//     then the message's `ready` event is recorded there;
+//   - the consumer's stream waits on `ready` when the message is handed to the task that uses
+//     it (Message::wait_ready()), never earlier, and the buffers are recorded on that stream,
+//     so the caching allocator reuses their memory only after the consumer's uses. A sent
+//     tensor is recorded on its send stream likewise before the sender releases it.
+// The compute stream thus waits only for messages whose consumer runs, a send never waits for
+// compute enqueued after its tensor was produced, and sends and receives of one pair of ranks
+// are on different NCCL streams (Note [Payload routes]: one communicator per direction), so
+// neither orders behind the other. tests/python/unit/test_stream_discipline.py checks these
+// rules with a model of the streams over the schedules' orders (and that the rules above,
+// broken as described, deadlock 1F1B). On the CPU, and for host-only messages, all of this
+// is a no-op.
 
 namespace internal {
 namespace {
@@ -553,6 +575,10 @@ std::vector<Message> split_batch(const TransportState& s, Message batch, int64_t
               {}};
     m.tensors.assign(std::make_move_iterator(batch.tensors.begin() + tensor_pos),
                      std::make_move_iterator(batch.tensors.begin() + tensor_pos + num_tensors));
+    if (batch.ready && std::any_of(m.tensors.begin(), m.tensors.end(),
+                                   [](const at::Tensor& t) { return !t.device().is_cpu(); })) {
+      m.ready = batch.ready;
+    }
     header_pos += num_header;
     tensor_pos += num_tensors;
     messages.push_back(std::move(m));
@@ -573,11 +599,16 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
   Channel& c = *channel;
   std::exception_ptr error;
   try {
-    // Device buffers are allocated, received into and copied to on this device's current
-    // (default) stream (Note [Payload routes]).
+    // Device buffers are allocated, received into and copied to on a stream of this thread's
+    // own (Note [Stream discipline]).
     const c10::DeviceGuard device_guard(s.device);  // a no-op for the CPU
+    std::optional<c10::Stream> stream;
+    if (!s.device.is_cpu()) {
+      stream = c10::impl::VirtualGuardImpl(s.device.type()).getStreamFromGlobalPool(s.device);
+    }
+    // Under the guard of `stream` below: allocated and copied there.
     const auto land = [&](at::Tensor host, bool on_device) {
-      return on_device && !s.device.is_cpu() ? host.to(s.device) : host;
+      return on_device && stream ? host.to(s.device) : host;
     };
     // The header of message #seq, posted before its wait (Note [Next header posted early]).
     const auto post_header = [&](int64_t seq) {
@@ -593,6 +624,13 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
       Parsed parsed = parse_wire(s, c.peer, wire, seq);
       if (parsed.kind == kEnd) break;
       Message message{c.peer, std::move(parsed.header), {}};
+      // A message with device tensors is allocated, received and landed on this thread's stream.
+      bool device_parts = false;
+      for (size_t i = 0; i < parsed.dtypes.size(); ++i) {
+        device_parts = device_parts || parsed.device_bytes[i] || parsed.on_device[i];
+      }
+      std::optional<c10::StreamGuard> on_stream;
+      if (stream && device_parts) on_stream.emplace(*stream);
       // Allocate every tensor, fill the inline ones, then receive the others' parts together.
       std::vector<Part> parts;
       std::vector<std::string> names;
@@ -636,6 +674,11 @@ void receive_loop(const std::shared_ptr<TransportState>& state, Channel* channel
         if (!parsed.device_bytes[i]) {
           message.tensors[i] = land(std::move(message.tensors[i]), parsed.on_device[i]);
         }
+      }
+      if (on_stream) {
+        message.ready = std::make_shared<c10::Event>(s.device.type());
+        message.ready->record(*stream);
+        on_stream.reset();
       }
       std::vector<Message> messages;
       if (parsed.kind == kBatch) {
@@ -1121,6 +1164,19 @@ const std::vector<int>& Transport::peers() const { return state_->peers; }
 int Transport::tag() const { return state_->tag; }
 std::chrono::milliseconds Transport::timeout() const { return state_->timeout; }
 c10::Device Transport::device() const { return state_->device; }
+
+void Message::wait_ready() const {
+  if (!ready) return;
+  const c10::Device device(ready->device_type(), ready->device_index());
+  const c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::Stream consumer = impl.getStream(device);
+  ready->block(consumer);
+  // Allocated on the receiver's stream, used from here on the consumer's: the caching allocator
+  // reuses the memory only after the consumer's stream has passed its uses.
+  for (const at::Tensor& t : tensors) {
+    if (t.device() == device) impl.recordDataPtrOnStream(t.storage().data_ptr(), consumer);
+  }
+}
 
 bool Transport::started() const {
   std::lock_guard<std::mutex> lock(state_->mutex);

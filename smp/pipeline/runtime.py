@@ -275,7 +275,6 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
             self.transport,
             [s for s in range(self.num_stages) if s != self.stage],
             self.timeout_s,
-            self.state.device,
         )
         if self.order_transport is not None:
             self.order_transport.start()

@@ -79,6 +79,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 
 #include <chrono>
 #include <cstdint>
@@ -100,9 +101,18 @@ struct Message {
   int peer = -1;                ///< group rank of the sender
   std::vector<int64_t> header;  ///< the sender's header ints
   /// Fresh contiguous tensors (same dtypes and shapes): on the Transport's device where the
-  /// sender's was on a device, else on the CPU. Device tensors are ready for the receiver
-  /// thread's current stream, the device's default stream, on which the runtime computes.
+  /// sender's was on a device, else on the CPU. Device tensors are written on a stream of the
+  /// receiver's own: use them after wait_ready() (Note [Stream discipline] in transport.cpp).
   std::vector<at::Tensor> tensors;
+  /// Recorded on the receiver's stream once every device tensor of the message is written;
+  /// null when it has none.
+  std::shared_ptr<c10::Event> ready;
+
+  /// Makes the calling thread's current stream on the message's device wait for its device
+  /// tensors (no host wait); nothing for a message without them. The consumer calls it when it
+  /// starts using the tensors, not before: PipelineServer::next() when it hands the message
+  /// out, the Python binding of Transport.recv() when it returns it.
+  void wait_ready() const;
 };
 
 /// A timeout or a backend failure of the transport (not a user mistake). The message names this
