@@ -76,7 +76,8 @@ class State:
             (plus "tp_order" with pp > 1 and tp > 1: see PipelineRuntime; "sdp" and
             "sdp_replicate" with sharded_data_parallel_degree > 1; with pp > 1 under NCCL,
             "pp_host", the pipeline group's gloo twin, and "pp_up" / "pp_down", its payload
-            groups: see ``host_group`` and ``pipeline_payload_groups``).
+            groups: see ``host_group`` and ``pipeline_payload_groups``; with tp > 1 under NCCL,
+            "tp_host", the TP group's gloo twin for the agreement on regions' arguments).
         group_ranks: the same keys -> the world ranks of that group, ascending.
         owns_default_group: True when smp created the default process group (and so destroys it).
     """
@@ -118,8 +119,8 @@ class State:
         self.microbatch: int | None = None
 
     def host_group(self, name: str) -> dist.ProcessGroup:
-        """The group ``name`` for host-side traffic: its gloo twin where one exists (the
-        pipeline's headers under NCCL, design.md §4.8), else the group itself."""
+        """The group ``name`` for host-side traffic: its gloo twin where one exists (under
+        NCCL: the pipeline's headers, design.md §4.8; the TP agreement), else the group itself."""
         return self.groups.get(f"{name}_host", self.groups[name])
 
     def pipeline_payload_groups(self) -> list[dist.ProcessGroup]:
@@ -226,6 +227,10 @@ def _resolve_device(requested: str, backend: str, local_rank: int) -> torch.devi
 # Tests only: payload groups on gloo too, so that the split of headers and payloads runs on
 # CPU-only machines (with NCCL they always exist for pp > 1).
 _GLOO_PAYLOAD_GROUPS = False
+# Tests only: a separate gloo twin of the TP group ("tp_host") when the TP group is gloo itself,
+# so that the TP agreement's exchange leaves the TP group on CPU-only machines as it does under
+# NCCL (there the twin always exists for tp > 1).
+_GLOO_TP_HOST_TWIN = False
 
 
 def _build_payload_groups(state: State, timeout: datetime.timedelta) -> None:
@@ -386,6 +391,15 @@ def _build_groups(state: State, timeout: datetime.timedelta) -> None:
                     state.groups["pp_host"] = group
                     state.group_ranks["pp_host"] = list(ranks)
         _build_payload_groups(state, timeout)
+    if state.topology.tp_size > 1 and (state.backend != "gloo" or _GLOO_TP_HOST_TWIN):
+        # The TP ranks' agreement on a region's arguments exchanges host-side metadata (digests
+        # of the calls' descriptions): on a gloo twin of the TP group, so that a region call
+        # reads no device tensor on the host (Note [Agreement on the host], smp/tp/agreement.py).
+        for ranks in state.topology.groups(_C.Axis.TP):
+            group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+            if state.rank in ranks:
+                state.groups["tp_host"] = group
+                state.group_ranks["tp_host"] = list(ranks)
     if state.topology.pp_size > 1 and state.topology.tp_size > 1:
         # The pipeline's TP ranks agree on the order of their tasks over a group of their own,
         # so those messages never interleave with the TP collectives of the modules. Its

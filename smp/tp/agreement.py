@@ -16,14 +16,29 @@ GPU a sync, per call, and digesting the rest costs a walk of the whole object pe
 Hugging Face cache: ~200 us, for each of the 32 layers' calls); such an object never travels, and
 the runs in turn are exact for it only when the region reads the same state from each
 rank's object. The region's name is its path in the model, so ranks in different regions show.
-The TP group all-gathers a 16-byte digest of that description. Equal digests: the region runs
-as it always did. Different digests: the full descriptions are all-gathered, and then
+The TP group all-gathers a 16-byte digest of that description, on the host (Note [Agreement on
+the host]). Equal digests: the region runs as it always did. Different digests: the full
+descriptions are all-gathered, and then
   - a difference that cannot run (ranks in different regions, grad mode on some ranks only, an
     object holding tensors missing or of another type on some rank, an object without a digest)
     raises on every rank, naming the region, the ranks and the difference, before any collective
     of the region;
   - anything else runs *in turn* (Note [Runs in turn] in smp.tp.region).
 Every rank takes the same branch: each decision is a function of the all-gathered descriptions.
+
+Note [Agreement on the host]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The descriptions are host-side metadata, so they travel on the host: on ``host_group("tp")``,
+the TP group's gloo twin ``tp_host`` under NCCL (smp.state), the gloo TP group itself otherwise,
+with CPU tensors. A region call then reads no device tensor on the host: on the device the
+region's collectives are only enqueued, and the host runs ahead of the stream as it does between
+regions. Sent on the TP group under NCCL, the digest would cross to the device and back, a
+device-to-host sync per region call (per layer, per microbatch). The cost that stays is one
+host collective per region call (the digest's all-gather; the slow path adds the descriptions'):
+every rank must exchange at every call, since a rank that skipped the exchange while a peer
+made it would match that peer's all-gather against the region's own collectives. A group smp
+made no twin for and that has no CPU backend (a user's NCCL group given to a module) carries
+the exchange itself, on the device, with its host sync.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp.state import get_state, is_initialized
 from smp.tp import functional as tpf
 
 __all__ = ["DivergentArgumentsError", "region_name"]
@@ -322,27 +338,44 @@ def _describe_difference(specs: list[tuple], a: int, b: int) -> str:
 # ---- agreement ----------------------------------------------------------------------------------
 
 
+def _host_group(group: Any) -> Any:
+    """The group that carries the agreement's messages for the TP group ``group``: smp's host
+    twin of its TP group (``tp_host``, a gloo group: Note [Agreement on the host]) when
+    ``group`` is smp's TP group, else ``group`` itself."""
+    if is_initialized():
+        state = get_state()
+        if group is state.groups.get("tp"):
+            return state.host_group("tp")
+    return group
+
+
 def _exchange(group: Any, mine: torch.Tensor) -> torch.Tensor:
-    """All-gather of equal-sized 1-d tensors along dim 0 (no autograd: integer tensors)."""
-    return tpf.gather_from_region(mine.to(_collective_device(group)), 0, group).cpu()
+    """All-gather of equal-sized 1-d CPU tensors along dim 0 over the host side of the TP group
+    ``group`` (Note [Agreement on the host]); a CPU tensor (no autograd: integer tensors)."""
+    host = _host_group(group)
+    if torch.device("cpu") in host._device_types:
+        return tpf.gather_from_region(mine, 0, host)
+    # A device-only group smp made no twin for (a user's NCCL group passed to a module): the
+    # message travels on the device and is read back, one host sync per call.
+    return tpf.gather_from_region(mine.to(_collective_device()), 0, host).cpu()
 
 
-def _collective_device(group: Any) -> torch.device:
-    from smp.state import get_state, is_initialized
-
+def _collective_device() -> torch.device:
     if is_initialized() and get_state().device.type == "cuda":
         return get_state().device
-    return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _all_gather_bytes(group: Any, data: bytes) -> list[bytes]:
+    """Every rank's ``data``, in TP rank order: two exchanges (the lengths, then the bytes padded
+    to the longest), each read once on the host."""
     n = group.size()
-    sizes = _exchange(group, torch.tensor([len(data)], dtype=torch.int64))
-    longest = int(sizes.max())
+    sizes = _exchange(group, torch.tensor([len(data)], dtype=torch.int64)).tolist()
+    longest = max(sizes)
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    everyone = _exchange(group, mine).view(n, longest)
-    return [everyone[i, : int(sizes[i])].numpy().tobytes() for i in range(n)]
+    everyone = _exchange(group, mine).numpy().tobytes()
+    return [everyone[i * longest : i * longest + sizes[i]] for i in range(n)]
 
 
 _announced = False  # the first region whose ranks' arguments differ is logged once
@@ -408,8 +441,6 @@ def _agree(module: nn.Module, mine: _Call) -> tuple[list[tuple], list[dict]] | N
 
 
 def _microbatch() -> str:
-    from smp.state import get_state, is_initialized
-
     mb = get_state().microbatch if is_initialized() else None
     return f" in microbatch {mb}" if mb is not None else ""
 

@@ -125,6 +125,10 @@ def run_region(
     batch is cut back to this rank's samples (scatter_to_region). If they differ, ``fn`` runs
     once per rank's arguments (Note [Runs in turn]).
 
+    Entry and exit read tensors' metadata (dtype, shape, device) and never their values, and the
+    agreement travels on the host (Note [Agreement on the host]): on a GPU a region call never
+    waits for the device.
+
     Args:
         module: the distributed module (``tp_group``, ``tp_size``, ``tp_rank``).
         moves_batch: False when ``fn`` moves the batch itself (it checks :func:`in_region` and
