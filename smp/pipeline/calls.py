@@ -487,7 +487,8 @@ class CallsMixin:
         worker.replies_due -= 1
         if worker.waiting is call:
             worker.waiting = None
-            self._grant(worker)
+            if not worker.resuming:  # else it resumes itself (Note [Direct resumes])
+                self._grant(worker)
         elif worker.served is None:
             self._maybe_finish_microbatch(worker.microbatch)
         elif worker.finished and not worker.replies_due:

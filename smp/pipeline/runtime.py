@@ -270,6 +270,7 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
         self.recorder = _Recorder()
         self._call_ids = itertools.count()  # the same sequence on every TP rank of the stage
         self._stash = {}
+        self._handoff: tuple[str, Any] | None = None  # Note [Direct resumes]
         self.transport.start()
         self.sender = Sender(
             self.transport,
@@ -471,7 +472,17 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
         return (int(header[0]), int(peer), int(header[1]), int(header[2]))
 
     def _next_item(self):
-        """The server's next task, in the order TP rank 0 of this stage runs them."""
+        """The server's next task, in the order TP rank 0 of this stage runs them: the one a
+        worker took and handed back (Note [Direct resumes]) first."""
+        if self._handoff is not None:
+            what, value = self._handoff
+            self._handoff = None
+            if what == "error":
+                raise value
+            return value
+        return self._take_item()
+
+    def _take_item(self):
         if self.order_transport is None:
             return self.server.next(self.timeout_s)
         if self.order_leader:
@@ -533,7 +544,11 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
         # Twice timeout_s: the worker may itself wait up to timeout_s (a collective, a TP
         # rank's order), and the error of that wait names the failure better than this one.
         limit = _BATON_WAITS * self.timeout_s
-        if not self._back.acquire(timeout=limit):
+        resumes = worker.resumes
+        while not self._back.acquire(timeout=limit):
+            if worker.resumes != resumes:  # it waited for a reply and went on (direct resumes)
+                resumes = worker.resumes
+                continue
             worker.aborted = True  # it raises _Abort if it ever calls another stage
             self.failed_microbatch = worker.microbatch
             self.failed_module = worker.module_path
@@ -551,6 +566,52 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
             raise worker.error
         if worker.finished:
             self._on_finished(worker)
+
+    # Note [Direct resumes]
+    # ~~~~~~~~~~~~~~~~~~~~~
+    # A worker that waits for a REPLY holds the baton, so it may take the server's next task
+    # itself instead of handing the baton to the loop, which would take that task and, most
+    # often, hand the baton straight back (the default policy runs a ready resume first). When
+    # the task is its own RESUME the worker processes the REPLY as the loop would and goes on:
+    # two thread hand-offs (the return and the grant) and a random-stream switch fewer per
+    # awaited call. Any other task, or an error taking one, is handed to the loop, which runs it
+    # next (``_handoff``), so the order of tasks and where errors are raised do not change. The
+    # loop's bound on the worker restarts at each such resume (``_Worker.resumes``): each of its
+    # waits is bounded by timeout_s in the server. The recorder's span pauses while it waits.
+
+    def resume_directly(self, worker: _Worker) -> bool:
+        """In ``worker``'s thread, holding the baton, waiting for ``worker.waiting``'s REPLY:
+        takes the server's tasks while they are that REPLY's (Note [Direct resumes]). True once
+        the worker may go on; False when it must suspend (a task for the loop is handed over)."""
+        self.recorder.pause()
+        self.state.microbatch = None
+        while True:
+            try:
+                item = self._next_item()
+            except BaseException as exc:  # noqa: BLE001 - raised by the loop, as before
+                self._handoff = ("error", exc)
+                return False
+            task = None if item is None else item[0]
+            if (
+                task is None
+                or task.kind != _C.TaskKind.RESUME
+                or self.reply_tasks.get(task.id) is not worker.waiting
+            ):
+                self._handoff = ("item", item)
+                return False
+            worker.resuming = True
+            try:
+                self._reply_arrived(self.reply_tasks.pop(task.id), item[1])
+            except BaseException as exc:  # noqa: BLE001 - raised by the loop, as before
+                self._handoff = ("error", exc)
+                return False
+            finally:
+                worker.resuming = False
+            if worker.waiting is None:
+                worker.resumes += 1
+                self.state.microbatch = worker.microbatch
+                self.recorder.resume()
+                return True
 
     def _on_finished(self, worker: _Worker) -> None:
         used: dict[tuple, bool] = {}  # its code is done: whether it used each output is known

@@ -166,6 +166,8 @@ class _Worker:
         self.fetches_due = 0  # served: of those, not arrived yet
         self.deferred: list[_Worker] = []  # served calls waiting for this one's outputs
         self.waiting: _Call | None = None  # the call whose REPLY this suspended worker awaits
+        self.resuming = False  # processing its own REPLY in its thread (Note [Direct resumes])
+        self.resumes = 0  # times it did (the server's bound on it restarts at each)
         self.replies_due = 0  # calls whose REPLY has not arrived
         self.acks_due = 0  # calls whose GRAD_IN has not arrived
         self.started = False  # handed to a thread (it may not have been granted yet)
@@ -227,8 +229,13 @@ class _Worker:
         )
 
     def wait_for(self, call: _Call) -> None:
-        """Suspends until ``call``'s REPLY has arrived (the server grants this worker then)."""
+        """Suspends until ``call``'s REPLY has arrived (the server grants this worker then), or
+        takes that REPLY itself (Note [Direct resumes] in smp.pipeline.runtime)."""
         self.waiting = call
+        if self.aborted:
+            raise _Abort()
+        if self.runtime.resume_directly(self):
+            return
         self.suspend()
 
     def new_interval(self) -> None:
@@ -370,13 +377,26 @@ class _Recorder:
         now = time.perf_counter() + self.offset
         if self.stack:
             top = self.stack[-1]
-            if now > top[2]:
+            if top[2] is not None and now > top[2]:
                 self.spans.append((top[0], top[1], top[2], now))
         self.stack.append([kind, microbatch, now])
 
     def end(self) -> None:
         now = time.perf_counter() + self.offset
         kind, microbatch, start = self.stack.pop()
-        self.spans.append((kind, microbatch, start, now))
+        if start is not None:  # not paused
+            self.spans.append((kind, microbatch, start, now))
         if self.stack:
             self.stack[-1][2] = now
+
+    def pause(self) -> None:
+        """Closes the open span's current segment: its owner waits (it holds the baton meanwhile,
+        Note [Direct resumes]). ``resume`` opens a new one; ``end`` closes a paused span."""
+        now = time.perf_counter() + self.offset
+        top = self.stack[-1]
+        if top[2] is not None and now > top[2]:
+            self.spans.append((top[0], top[1], top[2], now))
+        top[2] = None
+
+    def resume(self) -> None:
+        self.stack[-1][2] = time.perf_counter() + self.offset

@@ -67,13 +67,15 @@ def _chain_worker(options: dict, microbatches: int):
     from smp.pipeline import runtime, workers
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": microbatches} | options)
-    waits, fetches = [0], [0]
+    waits, fetches, direct = [0], [0], [0]
     wait_for = workers._Worker.wait_for
     await_values = runtime.PipelineRuntime._await_values
 
     def counting_wait_for(self, call):
         waits[0] += 1
-        return wait_for(self, call)
+        resumes = self.resumes
+        wait_for(self, call)
+        direct[0] += self.resumes - resumes  # took its REPLY itself (Note [Direct resumes])
 
     def counting_await_values(self, call):
         fetches[0] += not call.push and call.fetch is None
@@ -84,10 +86,11 @@ def _chain_worker(options: dict, microbatches: int):
     try:
         per_step = exact_steps(
             smp, Chain, lambda m: _place(m, smp), [0, 0, 1, 0, 1], 3, microbatches,
-            lambda step, module: waits.__setitem__(0, 0) or fetches.__setitem__(0, 0),
-            lambda step: (waits[0], fetches[0]),
+            lambda step, module: waits.__setitem__(0, 0) or fetches.__setitem__(0, 0)
+            or direct.__setitem__(0, 0),
+            lambda step: (waits[0], fetches[0], direct[0]),
         )  # fmt: skip
-        return [w for w, _ in per_step], [f for _, f in per_step]
+        return [c[0] for c in per_step], [c[1] for c in per_step], [c[2] for c in per_step]
     finally:
         workers._Worker.wait_for = wait_for
         runtime.PipelineRuntime._await_values = await_values
@@ -103,7 +106,10 @@ def _chain_worker(options: dict, microbatches: int):
     ],
 )
 def test_chain_and_changing_calls_are_exact(pools, options):
-    waits, fetches = pools.run(2, _chain_worker, options, 4)[0]  # the leader's
+    waits, fetches, direct = pools.run(2, _chain_worker, options, 4)[0]  # the leader's
+    # A wait ends with the worker taking its own REPLY (Note [Direct resumes]) only when that
+    # is the server's next task; with four microbatches another's task mostly comes first.
+    assert all(d <= w for d, w in zip(direct, waits)), (direct, waits)
     if options.get("pipeline_async_calls", True):
         # Step 1 repeats step 0's calls: every block call returns at once, and each microbatch
         # waits once, for the last block's output (the head is on this stage).
@@ -115,6 +121,14 @@ def test_chain_and_changing_calls_are_exact(pools, options):
     else:
         assert waits[1] == 4 * 4, waits  # one round trip per block call
         assert not any(fetches), fetches
+
+
+def test_a_lone_waiting_worker_takes_its_replies_itself(pools):
+    """One microbatch, every call waited for: nothing else can come first, so each REPLY is
+    taken by the worker waiting for it, with no hand-off to the loop (Note [Direct resumes]),
+    and the steps stay exact."""
+    waits, _, direct = pools.run(2, _chain_worker, {"pipeline_async_calls": False}, 1)[0]
+    assert waits[1] == 4 and direct == waits, (waits, direct)
 
 
 class Flaky(nn.Module):

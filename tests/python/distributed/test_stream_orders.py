@@ -71,7 +71,7 @@ def _recording(log: list):
         workers._Recorder.begin,
         workers._Recorder.end,
         runtime.Sender.send,
-        runtime.PipelineRuntime._next_item,
+        runtime.PipelineRuntime._take_item,
         runtime.PipelineRuntime.run_step,
     )
     begin, end, send, next_item, run_step = saved
@@ -101,7 +101,7 @@ def _recording(log: list):
 
     workers._Recorder.begin, workers._Recorder.end = recording_begin, recording_end
     runtime.Sender.send = recording_send
-    runtime.PipelineRuntime._next_item = recording_next_item
+    runtime.PipelineRuntime._take_item = recording_next_item
     runtime.PipelineRuntime.run_step = recording_run_step
 
     def restore():
@@ -109,7 +109,7 @@ def _recording(log: list):
             workers._Recorder.begin,
             workers._Recorder.end,
             runtime.Sender.send,
-            runtime.PipelineRuntime._next_item,
+            runtime.PipelineRuntime._take_item,
             runtime.PipelineRuntime.run_step,
         ) = saved
 

@@ -525,7 +525,9 @@ def runtime_traces(
                                    span's work resumes at the inner span's end);
       ("end",)                     the innermost open span ends;
       ("send", peer, header, n)    a message with n tensors is queued for ``peer``;
-      ("take", peer, header, n)    the message from ``peer`` is handed to the task run next.
+      ("take", peer, header, n)    the message from ``peer`` is handed to the task run next
+                                   (inside an open span: to that span's worker, which goes
+                                   on with it).
     Only messages for which ``carries_device_tensors(header, n)`` holds travel on the NCCL
     streams; the k-th such message from a to b with a given header is the k-th taken by b from a
     with that header (channels are FIFO). Each message is produced and sent where it is queued
@@ -570,6 +572,8 @@ def runtime_traces(
                         "that no log has it send"
                     )
                 trace.append(("consume", queue.popleft()))
+                if stack:  # a worker that took its own reply goes on (Note [Direct resumes])
+                    trace.append(("compute", stack[-1]))
             elif kind not in ("send", "take"):
                 raise ValueError(f"rank {rank}: unknown log event {event!r}")
         traces[rank] = trace
