@@ -12,6 +12,16 @@ Sections:
   step     a GPT (examples/gpt, ~1 B parameters in the full size) in bf16 autocast with AdamW:
            smp.DistributedModel + @smp.step with microbatches 1 and 4, against plain torch doing
            the same microbatches; tokens/s and their ratio.
+  pipeline two processes sharing the device over gloo (pp 2, "device": the device's type, device
+           tensors staged through the host): a GPT in 8 microbatches trained with AdamW for
+           --pipeline-steps steps (200 by default), the first steps' losses against one process
+           on the same device; time per step (median of the last half) and the peak memory.
+           What it checks on a GPU: the stream discipline of design.md §4.8 over many steps,
+           no hang, no stall, exact.
+  tp_syncs two processes sharing the device over gloo (tp 2): a training step of L and of 2L
+           smp.nn transformer layers under torch.cuda.set_sync_debug_mode("warn"), counting
+           the synchronizing CUDA operations per step, all and those made by smp/tp's region
+           agreement (design.md §6.3: none, whatever L). CPU: nothing to count (reported so).
   roundtrip  two processes sharing the device over gloo (pp 2, "device": the device's type): a
            root on stage 0 calls a trivial module on stage 1 many times per step, with a small
            tensor and with a 1 MiB one (device tensors staged through the host, design.md §4.8);
@@ -266,6 +276,150 @@ def _roundtrip_worker(rank: int, device_type: str, small: bool, rounds: int) -> 
     return result
 
 
+def _pipeline_worker(rank: int, device_type: str, small: bool, steps: int) -> dict:
+    import torch.distributed as dist
+    from model import GPT, GPTConfig, lm_loss
+
+    import smp
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # exact against one process
+    torch.backends.cudnn.allow_tf32 = False
+    if small:
+        cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64, dropout=0.0)
+        batch, seq = 16, 32
+    else:
+        cfg = GPTConfig(
+            vocab_size=8192, block_size=512, n_layer=8, n_head=8, n_embd=1024, dropout=0.0
+        )
+        batch, seq = 16, 512
+    checked = min(steps, 5)  # steps compared with one process
+    smp.init(
+        {"pipeline_parallel_degree": 2, "microbatches": 8, "backend": "gloo", "device": device_type}
+    )
+    device = smp.state.get_state().device
+    torch.manual_seed(0)
+    model = smp.DistributedModel(GPT(cfg))
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    @smp.step
+    def train(model, x, y):
+        loss = lm_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    losses, times = [], []
+    for step in range(steps):
+        x, y = batch_of(step)
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = train(model, x, y).reduce_mean()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+        if rank == 0 and (step + 1) % max(1, steps // 10) == 0:
+            print(f"pipeline: step {step + 1}/{steps}, {times[-1] * 1e3:.1f} ms", flush=True)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    smp.shutdown()
+    result = {"rank": rank, "steps": steps, "peak_bytes": peak}
+    result["step_ms_median_last_half"] = statistics.median(times[steps // 2 :]) * 1e3
+    if rank == 0:
+        # One process on the same device, the same batches accumulated in 8 microbatches.
+        torch.manual_seed(0)
+        reference = GPT(cfg).to(device)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4)
+        diffs = []
+        for step in range(checked):
+            x, y = batch_of(step)
+            ref_opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for xm, ym in zip(x.chunk(8), y.chunk(8)):
+                loss = lm_loss(reference(xm), ym)
+                (loss / 8).backward()
+                total += float(loss) / 8
+            ref_opt.step()
+            diffs.append(abs(total - losses[step]))
+        result["loss_max_abs_diff_first_steps"] = max(diffs)
+        result["losses_first_steps"] = losses[:checked]
+    return result
+
+
+def bench_pipeline(device, small: bool, rounds: int, steps: int) -> dict:
+    from _launch import run_ranks
+
+    return run_ranks(_pipeline_worker, 2, device.type, small, steps)
+
+
+def _tp_syncs_worker(rank: int, device_type: str, small: bool) -> dict:
+    import os
+    import warnings
+
+    from torch import nn
+
+    import smp
+    from smp.nn import DistributedTransformerLayer
+
+    hidden, seq, local_batch = (32, 8, 2) if small else (1024, 512, 4)
+    layer = dict(
+        num_attention_heads=4 if small else 16,
+        attention_head_size=hidden // (4 if small else 16),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        attention_dropout_prob=0.0,
+        hidden_dropout_prob=0.0,
+        causal_mask_size=seq,
+    )
+    smp.init({"tensor_parallel_degree": 2, "backend": "gloo", "device": device_type})
+    device = smp.state.get_state().device
+    agreement = os.path.join(os.path.dirname(smp.__file__), "tp", "agreement.py")
+    result = {}
+
+    @smp.step
+    def train(model, x):
+        loss = model(x).square().mean()
+        model.backward(loss)
+        return loss
+
+    for layers in (2, 4):
+        torch.manual_seed(0)
+        stack = nn.Sequential(*(DistributedTransformerLayer(**layer) for _ in range(layers)))
+        model = smp.DistributedModel(stack)
+
+        x = torch.randn(local_batch, seq, hidden, device=device)
+        train(model, x)  # warm-up: the first call partitions and places
+        if device.type != "cuda":
+            result[layers] = "n/a (no CUDA device: nothing synchronizes)"
+            continue
+        _sync(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                train(model, x)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        result[layers] = {
+            "all": len(syncs),
+            "agreement": sum(w.filename == agreement for w in syncs),
+            "where": sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in syncs}),
+        }
+    smp.shutdown()
+    return result
+
+
+def bench_tp_syncs(device, small: bool, rounds: int) -> dict:
+    from _launch import run_ranks
+
+    return run_ranks(_tp_syncs_worker, 2, device.type, small)
+
+
 def bench_roundtrip(device, small: bool, rounds: int) -> dict:
     from _launch import run_ranks
 
@@ -276,8 +430,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small sizes (a check, not numbers)")
-    parser.add_argument("--only", default="kernels,step,roundtrip")
+    parser.add_argument("--only", default="kernels,step,roundtrip,pipeline,tp_syncs")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pipeline-steps", type=int, default=200)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -286,7 +441,13 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     report["torch"] = torch.__version__
     for section in args.only.split(","):
-        fn = {"kernels": bench_kernels, "step": bench_step, "roundtrip": bench_roundtrip}[section]
+        fn = {
+            "kernels": bench_kernels,
+            "step": bench_step,
+            "roundtrip": bench_roundtrip,
+            "pipeline": lambda d, small, r: bench_pipeline(d, small, r, args.pipeline_steps),
+            "tp_syncs": bench_tp_syncs,
+        }[section]
         report[section] = fn(device, args.small, args.rounds)
         print(f"--- {section}")
         print(json.dumps(report[section], indent=1, default=str))
@@ -317,6 +478,16 @@ def main() -> None:
                 f"cross-stage call round trip, {size} tensor: smp {r['smp_call_us']:.0f} us, "
                 f"bare gloo send + receive {r['bare_gloo_us']:.0f} us"
             )
+    if "pipeline" in report:
+        r0 = report["pipeline"]
+        print(
+            f"pipeline pp 2 x 8 microbatches, {r0['steps']} steps on one device: "
+            f"{r0['step_ms_median_last_half']:.1f} ms per step (rank 0), first steps' loss "
+            f"vs one process max |diff| {r0['loss_max_abs_diff_first_steps']:.2e}"
+        )
+    if "tp_syncs" in report:
+        for layers, r in report["tp_syncs"].items():
+            print(f"tp 2, {layers} layers: synchronizing CUDA operations per step {r}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))
 

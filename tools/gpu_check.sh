@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with a CUDA GPU, a CUDA build of torch and nvcc (no internet
 # needed), builds smp from source, runs the GPU test tier and benchmarks/gpu.py, and writes a log
-# and a JSON summary. Sized to end within 8 minutes on one H200.
+# and a JSON summary: the kernels, the step and the round trip, then the pipeline (pp 2, 8
+# microbatches, 200 steps, two ranks sharing the GPU over gloo, against one process) and the
+# synchronizing CUDA operations of a TP step (design.md §4.8, §6.3). Sized to end within 10
+# minutes on one H100 or H200.
 #
 #   bash tools/gpu_check.sh [OUT_DIR]      (default build-gpu/out)
 #   PYTHON         the interpreter whose torch to build against (default python3)
@@ -65,19 +68,30 @@ if [ "${status[build]}" = passed ]; then
   stamp "GPU tests ${status[tests]}"
   bench_args=()
   [ "$DRY" = 1 ] && bench_args=(--device cpu --small --rounds 2)
-  if timeout 210 "$PY" benchmarks/gpu.py "${bench_args[@]}" --json "$OUT/gpu_bench.json"; then
+  if timeout 210 "$PY" benchmarks/gpu.py "${bench_args[@]}" --only kernels,step,roundtrip \
+      --json "$OUT/gpu_bench.json"; then
     status[bench]=passed
   else
     status[bench]=failed
   fi
   stamp "benchmark ${status[bench]}"
+  pipeline_args=()
+  [ "$DRY" = 1 ] && pipeline_args=(--pipeline-steps 6)
+  if timeout 180 "$PY" benchmarks/gpu.py "${bench_args[@]}" "${pipeline_args[@]}" \
+      --only pipeline,tp_syncs --json "$OUT/gpu_pipeline.json"; then
+    status[pipeline]=passed
+  else
+    status[pipeline]=failed
+  fi
+  stamp "pipeline and TP syncs ${status[pipeline]}"
 fi
 
 "$PY" - "$SUMMARY" "$((SECONDS - start))" "${status[build]:-}" "${status[tests]:-skipped}" \
-    "${status[bench]:-skipped}" "$OUT" <<'PYEOF'
+    "${status[bench]:-skipped}" "${status[pipeline]:-skipped}" "$OUT" <<'PYEOF'
 import json, sys, pathlib, xml.etree.ElementTree as ET
-path, seconds, build, tests, bench, out = sys.argv[1:]
-summary = {"seconds": int(seconds), "build": build, "tests": tests, "benchmark": bench}
+path, seconds, build, tests, bench, pipeline, out = sys.argv[1:]
+summary = {"seconds": int(seconds), "build": build, "tests": tests, "benchmark": bench,
+           "pipeline": pipeline}
 junit = pathlib.Path(out) / "gpu_tests.xml"
 if junit.exists():
     suite = ET.parse(junit).getroot()
@@ -86,8 +100,12 @@ if junit.exists():
 bench_json = pathlib.Path(out) / "gpu_bench.json"
 if bench_json.exists():
     summary["bench"] = json.loads(bench_json.read_text())
+pipeline_json = pathlib.Path(out) / "gpu_pipeline.json"
+if pipeline_json.exists():
+    summary["bench_pipeline"] = json.loads(pipeline_json.read_text())
 pathlib.Path(path).write_text(json.dumps(summary, indent=1))
-print(json.dumps({k: v for k, v in summary.items() if k != "bench"}))
+print(json.dumps({k: v for k, v in summary.items() if not k.startswith("bench")}))
 PYEOF
 stamp "done: $LOG, $SUMMARY"
-[ "${status[build]}" = passed ] && [ "${status[tests]:-}" = passed ] && [ "${status[bench]:-}" = passed ]
+[ "${status[build]}" = passed ] && [ "${status[tests]:-}" = passed ] && [ "${status[bench]:-}" = passed ] &&
+  [ "${status[pipeline]:-}" = passed ]
