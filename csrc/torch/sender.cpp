@@ -187,8 +187,12 @@ void Sender::send(int peer, std::vector<int64_t> header, std::vector<at::Tensor>
   const int64_t number = ++q.queued;
   q.items.push_back(
       State::Item{{std::move(header), std::move(tensors)}, std::move(produced), number});
+  if (!wait) {
+    lock.unlock();  // the woken thread takes the lock at once
+    q.cv.notify_one();
+    return;
+  }
   q.cv.notify_one();
-  if (!wait) return;
   // Each send ends within the timeout (Transport::send fails then); those queued before it may
   // each take as long.
   const auto limit = s.timeout * (number - q.finished);
