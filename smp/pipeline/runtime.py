@@ -591,6 +591,8 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
             except BaseException as exc:  # noqa: BLE001 - raised by the loop, as before
                 self._handoff = ("error", exc)
                 return False
+            if worker.aborted:  # its step gave up on it meanwhile: suspend() raises _Abort
+                return False
             task = None if item is None else item[0]
             if (
                 task is None

@@ -28,6 +28,7 @@ from smp.pipeline import segments
 from smp.pipeline.context import CallMode
 
 _SLICE = -1  # the call id of a worker's local interval boundary (no remote call)
+_JOIN_S = 5.0  # how long _Threads.close() waits for its parked threads to end, in all
 
 
 class _Abort(BaseException):
@@ -274,13 +275,14 @@ class _Threads:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.idle: list[Any] = []  # inboxes (queue.SimpleQueue) of parked threads
+        # parked threads: (inbox, a queue.SimpleQueue of workers; the thread)
+        self.idle: list[tuple[Any, threading.Thread]] = []
         self.count = 0
         self.closed = False
 
     def run(self, worker: _Worker) -> None:
         with self.lock:
-            inbox = self.idle.pop() if self.idle else None
+            inbox = self.idle.pop()[0] if self.idle else None
         if inbox is None:
             inbox = queue.SimpleQueue()
             self.count += 1
@@ -299,15 +301,22 @@ class _Threads:
             if self.closed:
                 inbox.put(None)  # closed while this thread ran a worker: it ends now
             else:
-                self.idle.append(inbox)
+                self.idle.append((inbox, threading.current_thread()))
 
     def close(self) -> None:
         """Ends every thread: parked ones now, busy ones when their worker finishes."""
         with self.lock:
             self.closed = True
             idle, self.idle = self.idle, []
-        for inbox in idle:
+        for inbox, _ in idle:
             inbox.put(None)
+        # Parked threads end at once: wait for them (briefly), so that a released runtime's
+        # threads are gone when close() returns. Not the calling thread (a collection may run
+        # the finalizer on a pool thread).
+        deadline = time.monotonic() + _JOIN_S
+        for _, thread in idle:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 _MASK = (1 << 63) - 1
