@@ -67,6 +67,7 @@ struct Sender::State {
 void Sender::State::run(Queue& q) {
   std::vector<Item> items;
   while (true) {
+    bool failed;
     {
       std::unique_lock<std::mutex> lock(mutex);
       q.cv.wait(lock, [&] { return !q.items.empty() || q.closing; });
@@ -80,10 +81,6 @@ void Sender::State::run(Queue& q) {
         items.push_back(std::move(q.items.front()));
         q.items.pop_front();
       }
-    }
-    bool failed;
-    {
-      std::lock_guard<std::mutex> lock(mutex);
       failed = static_cast<bool>(error);
     }
     if (!failed) {
@@ -93,8 +90,8 @@ void Sender::State::run(Queue& q) {
         std::optional<c10::StreamGuard> guard;
         for (const Item& item : items) {
           if (!item.produced) continue;
+          const c10::impl::VirtualGuardImpl impl(item.produced->device_type());
           if (!q.stream) {
-            const c10::impl::VirtualGuardImpl impl(item.produced->device_type());
             q.stream = impl.getStreamFromGlobalPool(
                 c10::Device(item.produced->device_type(), item.produced->device_index()));
           }
@@ -103,7 +100,6 @@ void Sender::State::run(Queue& q) {
           // The send reads the tensors on this stream (after the work's wait, below): the
           // caching allocator must not hand their memory to the producer's stream again before
           // it has, once the message is released.
-          const c10::impl::VirtualGuardImpl impl(q.stream->device_type());
           for (const at::Tensor& t : item.message.second) {
             if (t.device().type() == q.stream->device_type()) {
               impl.recordDataPtrOnStream(t.storage().data_ptr(), *q.stream);

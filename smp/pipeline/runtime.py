@@ -588,27 +588,24 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
         while True:
             try:
                 item = self._next_item()
+                if worker.aborted:  # its step gave up on it meanwhile: suspend() raises _Abort
+                    return False
+                task = None if item is None else item[0]
+                if (
+                    task is None
+                    or task.kind != _C.TaskKind.RESUME
+                    or self.reply_tasks.get(task.id) is not worker.waiting
+                ):
+                    self._handoff = ("item", item)
+                    return False
+                worker.resuming = True
+                try:
+                    self._reply_arrived(self.reply_tasks.pop(task.id), item[1])
+                finally:
+                    worker.resuming = False
             except BaseException as exc:  # noqa: BLE001 - raised by the loop, as before
                 self._handoff = ("error", exc)
                 return False
-            if worker.aborted:  # its step gave up on it meanwhile: suspend() raises _Abort
-                return False
-            task = None if item is None else item[0]
-            if (
-                task is None
-                or task.kind != _C.TaskKind.RESUME
-                or self.reply_tasks.get(task.id) is not worker.waiting
-            ):
-                self._handoff = ("item", item)
-                return False
-            worker.resuming = True
-            try:
-                self._reply_arrived(self.reply_tasks.pop(task.id), item[1])
-            except BaseException as exc:  # noqa: BLE001 - raised by the loop, as before
-                self._handoff = ("error", exc)
-                return False
-            finally:
-                worker.resuming = False
             if worker.waiting is None:
                 worker.resumes += 1
                 self.state.microbatch = worker.microbatch

@@ -385,10 +385,14 @@ class _Recorder:
     def begin(self, kind: str, microbatch: int) -> None:
         now = time.perf_counter() + self.offset
         if self.stack:
-            top = self.stack[-1]
-            if top[2] is not None and now > top[2]:
-                self.spans.append((top[0], top[1], top[2], now))
+            self._close_segment(now)
         self.stack.append([kind, microbatch, now])
+
+    def _close_segment(self, now: float) -> None:
+        """Records the open span's current segment, up to ``now`` (none if it is paused)."""
+        top = self.stack[-1]
+        if top[2] is not None and now > top[2]:
+            self.spans.append((top[0], top[1], top[2], now))
 
     def end(self) -> None:
         now = time.perf_counter() + self.offset
@@ -401,11 +405,8 @@ class _Recorder:
     def pause(self) -> None:
         """Closes the open span's current segment: its owner waits (it holds the baton meanwhile,
         Note [Direct resumes]). ``resume`` opens a new one; ``end`` closes a paused span."""
-        now = time.perf_counter() + self.offset
-        top = self.stack[-1]
-        if top[2] is not None and now > top[2]:
-            self.spans.append((top[0], top[1], top[2], now))
-        top[2] = None
+        self._close_segment(time.perf_counter() + self.offset)
+        self.stack[-1][2] = None
 
     def resume(self) -> None:
         self.stack[-1][2] = time.perf_counter() + self.offset

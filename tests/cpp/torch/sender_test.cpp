@@ -4,9 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +17,7 @@ namespace smp::pytorch {
 namespace {
 
 using std::chrono::milliseconds;
+using test_util::Event;
 using test_util::expect_no_errors;
 using test_util::Rank;
 using test_util::run_ranks;
@@ -26,26 +25,6 @@ using test_util::ThreadWorld;
 
 constexpr milliseconds kLong{10000};  // bounds waits that should succeed
 constexpr int kTag = 7;
-
-class Flag {
- public:
-  void set() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      set_ = true;
-    }
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    ASSERT_TRUE(cv_.wait_for(lock, std::chrono::seconds(30), [this] { return set_; }));
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool set_ = false;
-};
 
 std::vector<at::Tensor> tensors_of(int i) {
   if (i % 3 == 0) return {};
@@ -96,7 +75,7 @@ TEST(SenderTest, WhatQueuesUpGoesAsOneBatch) {
   constexpr int kNum = 40;
   auto world = std::make_shared<ThreadWorld>(2);
   std::vector<Rank> ranks;
-  Flag queued;
+  Event queued;
   const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
     Transport transport(rank.group, {1 - r}, kLong, kTag);
     if (r == 0) {
@@ -126,7 +105,7 @@ TEST(SenderTest, WhatQueuesUpGoesAsOneBatch) {
 TEST(SenderTest, WaitReturnsOnceSent) {
   auto world = std::make_shared<ThreadWorld>(2);
   std::vector<Rank> ranks;
-  Flag queued;
+  Event queued;
   const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
     Transport transport(rank.group, {1 - r}, kLong, kTag);
     if (r == 0) {
@@ -179,7 +158,7 @@ TEST(SenderTest, AFailedSendIsRaisedByTheNextSend) {
 TEST(SenderTest, CloseNamesAPeerThatTakesNothing) {
   auto world = std::make_shared<ThreadWorld>(2);
   std::vector<Rank> ranks;
-  Flag closed;
+  Event closed;
   const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
     if (r == 1) {
       closed.wait();  // never starts a transport

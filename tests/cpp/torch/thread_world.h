@@ -443,4 +443,25 @@ inline void expect_no_errors(const std::vector<std::exception_ptr>& errors) {
   }
 }
 
+// A one-shot event between rank threads: wait() fails the test after 30 s without set().
+class Event {
+ public:
+  void set() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      set_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    ASSERT_TRUE(cv_.wait_for(lock, std::chrono::seconds(30), [this] { return set_; }));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool set_ = false;
+};
+
 }  // namespace smp::pytorch::test_util

@@ -5,13 +5,11 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -29,6 +27,7 @@ namespace smp::pytorch {
 namespace {
 
 using std::chrono::milliseconds;
+using test_util::Event;
 using test_util::expect_no_errors;
 using test_util::make_rank;
 using test_util::Rank;
@@ -37,27 +36,6 @@ using test_util::ThreadWorld;
 
 constexpr milliseconds kLong{10000};  // bounds waits that should succeed
 constexpr int kTag = 7;
-
-// A one-shot event between rank threads.
-class Event {
- public:
-  void set() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      set_ = true;
-    }
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    ASSERT_TRUE(cv_.wait_for(lock, std::chrono::seconds(30), [this] { return set_; }));
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool set_ = false;
-};
 
 std::vector<int> others(int rank, int world_size) {
   std::vector<int> peers;
