@@ -269,6 +269,10 @@ def _worker(rank: int, steps: int, rounds: int, overrides: dict) -> dict:
         from smp.pipeline.runtime import PipelineRuntime
 
         PipelineRuntime.send_once = False
+    if overrides.pop("send_unread", False):  # --send-unread: no argument kept until read
+        from smp.pipeline.runtime import PipelineRuntime
+
+        PipelineRuntime.keep_unread = False
     if overrides.pop("no_batch", False):  # --no-batch: one wire message per message
         from smp.pipeline import sender
 
@@ -393,6 +397,12 @@ def main() -> None:
         "once per microbatch and owner, design.md §4.6)",
     )
     parser.add_argument(
+        "--send-unread",
+        action="store_true",
+        help="send every request tensor, also those the owner does not read (before they were "
+        "kept by the caller and fetched when read, design.md §4.6)",
+    )
+    parser.add_argument(
         "--no-batch",
         action="store_true",
         help="send every message alone (before, what queued up for a peer went as one batch, "
@@ -425,6 +435,8 @@ def main() -> None:
         overrides["overhead"] = True
     if args.resend:
         overrides["resend"] = True
+    if args.send_unread:
+        overrides["send_unread"] = True
     if args.no_batch:
         overrides["no_batch"] = True
     if args.breakdown:

@@ -84,8 +84,10 @@ class Ref:
     """A tensor the sender does not send: output ``slot`` of its call ``call_id``, which the
     receiver served (``stage`` −1) or which pipeline stage ``stage`` served (the receiver fetches
     it from there); with ``stage`` :data:`INPUT`, request slot ``slot`` of the receiver's served
-    call ``call_id``: a tensor the sender sent before, unchanged since. ``requires_grad`` is the
-    slot's flag (an output's is decided by its producer, so False there)."""
+    call ``call_id``: a tensor the sender sent before, unchanged since; with ``stage``
+    :data:`CALLER`, slot ``slot`` of the request ``call_id`` being sent, which the sender keeps
+    and the receiver fetches when it reads it. ``requires_grad`` is the slot's flag (an
+    output's is decided by its producer, so False there)."""
 
     call_id: int
     slot: int
@@ -94,6 +96,7 @@ class Ref:
 
 
 INPUT = -2  # Ref.stage of a tensor the receiver got in an earlier request
+CALLER = -3  # Ref.stage of a tensor the sender keeps until the receiver reads it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +179,7 @@ class _Pickler(pickle.Pickler):
                 if isinstance(obj, Sent):
                     return _sent_at, (obj.index,)
             self.tensors.append(obj)
-            self.flags.append(obj.requires_grad)
+            self.flags.append(_requires_grad(obj))
             return _tensor_at, (len(self.tensors) - 1,)
         if isinstance(obj, nn.Module):
             if self.local is not None:  # an in-process copy: modules stay themselves
@@ -191,6 +194,15 @@ class _Pickler(pickle.Pickler):
                 )
             return _module_at, (path,)
         return NotImplemented
+
+
+def _requires_grad(tensor: Any) -> bool:
+    """A slot's flag. A placeholder of a tensor kept on another stage (a class with
+    ``_smp_kept``: smp.pipeline.calls._Lazy) answers from what it stands for, without being
+    fetched: taking a value apart (smp.core.tree) must not read it."""
+    if type(tensor) is not torch.Tensor and getattr(type(tensor), "_smp_kept", False):
+        return tensor._smp_grad
+    return tensor.requires_grad
 
 
 def _cannot_cross(value: Any, exc: BaseException) -> TypeError:

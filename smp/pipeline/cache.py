@@ -1,8 +1,9 @@
 """A bounded map for what the runtime learns per call structure (design.md §4.7).
 
 The pipeline runtime remembers, per (module, argument structure, grad mode), the structure of
-the outputs an earlier call returned (to return futures at once, §4.3) and whether the caller
-used them (to leave them on the owner, §4.8). A model whose calls carry changing Python values
+the outputs an earlier call returned (to return futures at once, §4.3), whether the caller
+used them (to leave them on the owner, §4.8) and which of its arguments the owner read (to keep
+the others, §4.6). A model whose calls carry changing Python values
 (a sequence length, a step counter) makes a new key per value: unbounded, those tables grew
 with every step. :class:`LRU` keeps the most recently used ``limit`` keys; a key dropped is
 only relearned (its next call waits for its outputs once).

@@ -25,7 +25,15 @@ from smp.core import messages, tree
 from smp.pipeline import segments
 from smp.pipeline.context import CallMode
 from smp.pipeline.protocol import _QUIET, REQUEST, _fetch_header
-from smp.pipeline.workers import _Abort, _Call, _current, _mix, _PeerFetch, _Worker
+from smp.pipeline.workers import (
+    _Abort,
+    _ArgumentFetch,
+    _Call,
+    _current,
+    _mix,
+    _PeerFetch,
+    _Worker,
+)
 
 
 class CallStructureChanged(RuntimeError):
@@ -81,6 +89,48 @@ class _Future(torch.Tensor):
 # __torch_function__ (a C++ extension bound with pybind) fails loudly instead of reading it.
 _EMPTY = torch.empty(0, device="meta")
 
+
+class _Lazy(_Future):
+    """An argument tensor of a served call that its caller kept (Note [Arguments fetched when
+    read]): fetched from the caller's stage the first time the call uses it as a tensor, then
+    its own leaf in this call, as a tensor the request had brought would be."""
+
+    _smp_kept = True  # what smp.core.messages asks a placeholder that it must not read
+
+    @staticmethod
+    def __new__(cls, worker: _Worker, source: tuple[int, int, int], slot: int, grad: bool):
+        lazy = torch.Tensor._make_subclass(cls, _EMPTY, False)
+        lazy._smp_call = None
+        lazy._smp_worker = worker  # the served call it came to
+        lazy._smp_source = source  # (caller stage, call id, request slot): where it is kept
+        lazy._smp_slot = slot  # its slot in this call's request
+        lazy._smp_grad = grad  # the slot's requires_grad flag
+        lazy._smp_data = None  # its value here, once fetched
+        return lazy
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func == _DEVICE_GET:  # where a tensor of the request lands: no need to fetch it
+            return args[0]._smp_worker.runtime.state.device
+        args, kwargs = _resolve_tree((args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def _smp_value(self) -> torch.Tensor:
+        if self._smp_data is None:
+            worker = self._smp_worker
+            if getattr(_current, "worker", None) is not worker or worker.finished:
+                stage, _, slot = self._smp_source
+                raise RuntimeError(
+                    f"smp: argument tensor {slot} that stage {stage} passed to module "
+                    f"'{worker.module_path}' (microbatch {worker.microbatch}) was first read "
+                    "outside that call's forward; the caller keeps a tensor the module did not "
+                    "read in its earlier calls until then (design.md §4.6). Keep a copy "
+                    "(x.clone()) in the forward if the module reads it later"
+                )
+            worker.runtime._fetch_argument(self)
+        return self._smp_data
+
+
 # Note [Ops on futures run where the value is]
 # An op whose tensor operands are futures of one other stage, plus tensors small enough to
 # send, runs on that stage (as a call of its _RemoteOps module, so autograd, predictions, FETCH
@@ -122,6 +172,33 @@ _REMOTE_OPS = frozenset(
 # different microbatches may not be. A served module that changes such an input in place
 # under no_grad changes what a later call of the same stage sees, as one process would.
 
+# Note [Arguments fetched when read]
+# A tensor that a module on another stage does not read need not travel: the first call of a
+# Hugging Face decoder layer on stage 1 carried the DynamicCache with the keys and values of
+# every layer of stage 0 (1280 KiB of that call's 1570 on the benchmark's Llama), and the layer
+# reads only its own. A request's tensors of at least _KEEP_MIN bytes that the owner did not
+# read in an earlier call with the same key (owner, module, argument structure) stay with the
+# caller: it keeps a copy (taken when the call is made, as a sent tensor's is, so the caller may
+# change its own in place afterwards) until the step ends, and sends a Ref (messages.CALLER).
+# The owner gives the call a placeholder (_Lazy) that, at its first use as a tensor, FETCHes
+# the copy (protocol._ARGUMENT) while the call waits, as for a future; from then on it is that
+# value, a leaf whose gradient goes back with the call's GRAD_IN, and a change in place is
+# written back as for a tensor the request had brought. What is read is learned from the
+# FETCHes: a slot fetched once goes with the request from then on. A new key's first call keeps
+# every such tensor, so its reads cost one round trip each, once: at most _KEPT_STRUCTURES keys
+# per module are learned (a module whose arguments carry a changing Python value makes a new key
+# per call), later ones send everything. Exact whatever was learned: a kept tensor that is read
+# is fetched. A placeholder passed to a module positionally counts as read (the forward
+# pre-hook resolves those, for C++ extensions), one inside a list, dict or object does not.
+# An unread placeholder handed back travels as the caller's own tensor
+# (messages.Sent); one read outside its call's forward (a backward's recomputation, a later
+# step) is an error naming it. Not with TP (no predictions there either, and the TP ranks of a
+# stage must exchange the same messages); a placeholder passed on to a third stage is fetched
+# first. A call that fetched one is not quiet (Note [Quiet calls]): its caller must stay to
+# answer.
+_KEEP_MIN = 64 * 1024  # bytes: smaller tensors always travel with the request
+_KEPT_STRUCTURES = 8  # keys per (owner, module) whose unread tensors are learned
+
 
 class _RemoteOps(nn.Module):
     """Runs an op on this stage for another stage's call (Note [Ops on futures run where the
@@ -147,7 +224,7 @@ def _maybe_remote_op(func, args, kwargs):
     for leaf in tree.flatten((args, kwargs))[0]:
         if isinstance(leaf, _Future):
             call = leaf._smp_call
-            if call.worker is not worker or call.values is not None:
+            if call is None or call.worker is not worker or call.values is not None:
                 return _LOCAL  # another microbatch's, or here already
             if owner not in (None, call.owner):
                 return _LOCAL
@@ -170,17 +247,21 @@ def _resolve_module_args(module, args):
     if worker is not None and id(module) in worker.runtime.slice_before:
         worker.maybe_slice()
     if any(isinstance(a, (_Future, list, tuple, MutableMapping)) for a in args):
-        resolved = _resolve_in_place(args, set())
-        return None if resolved is args else resolved
+        seen: set = set()
+        resolved = tuple(_resolve_in_place(a, seen, False) for a in args)
+        return None if all(new is old for new, old in zip(resolved, args)) else resolved
     return None
 
 
-def _resolve_in_place(value, seen: set):
+def _resolve_in_place(value, seen: set, nested: bool = True):
     """``value`` with every future replaced by its value. Lists and dicts change in place and
     stay the caller's objects (a module may append to a list it is given, as in one process);
-    tuples are rebuilt only where they held a future; other objects are kept."""
+    tuples are rebuilt only where they held a future; other objects are kept. A kept argument
+    (:class:`_Lazy`) is fetched only where it is not ``nested`` in a container: a module reads
+    a tensor it is given, not necessarily every tensor of a cache it is given (Note [Arguments
+    fetched when read])."""
     if isinstance(value, _Future):
-        return value._smp_value()
+        return value if nested and isinstance(value, _Lazy) else value._smp_value()
     if isinstance(value, (list, MutableMapping, tuple)):
         if id(value) in seen:
             return value
@@ -211,10 +292,14 @@ def _resolve_tree(value):
     return tree.map_tensors(_resolve, value)
 
 
-def _resolve_results(value):
+def _resolve_results(value, keep: frozenset[int] = frozenset()):
     """A step function's or served call's results with every future replaced by its value,
-    inside any object too (a cache, a dataclass: rebuilt, smp.core.tree's ``objects``)."""
-    return tree.map_tensors(_resolve, value, objects=True)
+    inside any object too (a cache, a dataclass: rebuilt, smp.core.tree's ``objects``), except
+    the placeholders whose ids are in ``keep`` (a served call's own arguments, which go back as
+    the caller's tensors: Note [Arguments fetched when read])."""
+    if not keep:
+        return tree.map_tensors(_resolve, value, objects=True)
+    return tree.map_tensors(lambda v: v if id(v) in keep else _resolve(v), value, objects=True)
 
 
 _remote_classes: dict[type, type] = {}
@@ -289,7 +374,7 @@ class CallsMixin:
             originals.append(tensor)
             if isinstance(tensor, _Future):
                 call = tensor._smp_call
-                if call.worker.runtime is self:
+                if call is not None and call.worker.runtime is self:
                     if call.owner == owner:
                         return messages.Ref(call.call_id, tensor._smp_slot)
                     if self.forward_direct and call.values is None:
@@ -302,10 +387,14 @@ class CallsMixin:
             return tensor
 
         unpacked, skeleton, tensors = messages.pack_parts((args, kwargs), resolve, self.module_ids)
+        kept: dict[int, torch.Tensor] = {}  # slot -> a tensor kept here until read
+        if self.keep_unread and self.order_group is None:
+            kept = self._keep_unread(owner, index, unpacked.blob, tensors, call_id)
         refs = [(i, t) for i, t in enumerate(tensors) if isinstance(t, messages.Ref)]
         real = [t for t in tensors if not isinstance(t, messages.Ref)]
         if self.send_once:
             for i, t in enumerate(tensors):
+                t = kept.get(i, t)
                 # (An inference tensor keeps no version counter: it is sent every time.)
                 if not isinstance(t, messages.Ref) and not t.is_inference():
                     held[id(t)] = (weakref.ref(t), t._version, call_id, i)
@@ -313,9 +402,9 @@ class CallsMixin:
         grad = mode.grad
         # The owner's input leaves, in slot order: what it sends and what it already holds.
         inputs = [
-            again.get(i, t)
+            again.get(i, kept.get(i, t))
             for i, t in enumerate(tensors)
-            if i in again or not isinstance(t, messages.Ref)
+            if i in again or i in kept or not isinstance(t, messages.Ref)
         ]
         sent = [t for t in inputs if t.requires_grad] if grad else []
         path = self.paths[index] or "<root>"
@@ -375,6 +464,31 @@ class CallsMixin:
             self._write_back(owner, path, originals[slot], value)
         return result
 
+    def _keep_unread(self, owner: int, index: int, blob: bytes, tensors: list, call_id: int):
+        """Replaces, in ``tensors``, those the owner did not read in earlier calls with this key
+        by Refs to this call's slots, and keeps copies of them to answer FETCHes (Note
+        [Arguments fetched when read]). Returns {slot: the caller's tensor} of those kept."""
+        key = (owner, index, blob)
+        reads = self.argument_reads.get(key)
+        if reads is None:
+            learned = self.kept_structures.get((owner, index), 0)
+            if learned >= _KEPT_STRUCTURES:
+                return {}
+            self.kept_structures[(owner, index)] = learned + 1
+            reads = self.argument_reads[key] = set()
+        kept = {
+            i: t
+            for i, t in enumerate(tensors)
+            if not isinstance(t, messages.Ref)
+            and i not in reads
+            and t.numel() * t.element_size() >= _KEEP_MIN
+        }
+        if kept:
+            self.kept_arguments[call_id] = (key, {i: t.detach().clone() for i, t in kept.items()})
+            for i, t in kept.items():
+                tensors[i] = messages.Ref(call_id, i, messages.CALLER, t.requires_grad)
+        return kept
+
     @staticmethod
     def _write_back(owner: int, path: str, original: torch.Tensor, value: torch.Tensor) -> None:
         """Gives the caller's tensor ``original`` the data that the module on stage ``owner``
@@ -418,6 +532,10 @@ class CallsMixin:
         """A REPLY: the call's outputs enter the caller's graph as boundary leaves."""
         if isinstance(call, _PeerFetch):
             self._peer_input_arrived(call, message)
+            return
+        if isinstance(call, _ArgumentFetch):  # an argument its caller kept, for a served call
+            call.value = message[2][0]
+            self._replied(call.worker, call)
             return
         worker = call.worker
         if call.quiet:

@@ -5,7 +5,8 @@ over ``smp._C.Transport``:
 
 - REQUEST ``[REQUEST, mb, call id, module index, mode, flags, n refs, (slot, stage, call id,
   slot) per ref, stream key, quiet digest (quiet calls only)]``, with the arguments' skeleton and
-  the tensors not sent as references. Module index ``_FETCH``: a FETCH (:func:`_fetch_header`).
+  the tensors not sent as references. Module index ``_FETCH``: a FETCH (:func:`_fetch_header`) of
+  an earlier call's outputs or of an argument the caller kept.
 - REPLY ``[REPLY, mb, call id, called no other stage]``, with the outputs' skeleton and, unless
   they are fetched when used, the outputs; a FETCH's REPLY ``[REPLY, mb, fetch id]``.
 - GRAD_OUT ``[GRAD_OUT, mb, call id, output slots..., -1 - slot for each gradient of ones]``,
@@ -20,11 +21,14 @@ over ``smp._C.Transport``:
 REQUEST, REPLY, GRAD_OUT, GRAD_IN, ERROR, STEP_END = range(1, 7)
 _QUIET = 2  # a REQUEST's flag (header[5], beside "push"): Note [Quiet calls]
 _FETCH = -1  # the module index of a REQUEST that asks for an earlier call's outputs
+_ARGUMENT = -2  # a FETCH's caller: it asks for an argument of the receiver's own call
 
 
 def _fetch_header(mb: int, fetch_id: int, grad: bool, caller: int, call_id: int, slot: int):
     """A FETCH: outputs of the call ``call_id`` that the receiver served for ``caller`` (-1: the
-    sender), all of them (``slot`` -1) or one; ``grad``: its gradient will come back."""
+    sender), all of them (``slot`` -1) or one; ``grad``: its gradient will come back. With
+    ``caller`` :data:`_ARGUMENT`: request slot ``slot`` of the call ``call_id`` that the receiver
+    made, which it kept (Note [Arguments fetched when read], smp.pipeline.calls)."""
     return [REQUEST, mb, fetch_id, _FETCH, int(grad), 1, 1, 0, caller, call_id, slot]
 
 

@@ -106,6 +106,8 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
 
     # A tensor goes to an owner once per microbatch (Note [Tensors sent once]).
     send_once = True
+    # One the owner does not read stays here until it does (Note [Arguments fetched when read]).
+    keep_unread = True
 
     def __init__(
         self,
@@ -159,6 +161,10 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
         # Whether the last GRAD_IN of a key's call that sent tensors requiring grad brought any
         # of their gradients (a call that sent some but got none back may be quiet).
         self.grads_back = LRU()
+        # (owner, module index, argument structure) -> request slots its owner read (FETCHed)
+        # of those kept here (Note [Arguments fetched when read]); keys learned per module.
+        self.argument_reads = LRU()
+        self.kept_structures: dict[tuple[int, int], int] = {}
         self.threads = self._held.threads
         # Zero-bubble split (design.md §4.4): stages other than the leader's compute a served
         # call's input gradients first and its weight gradients when idle. Not with TP (its
@@ -222,6 +228,7 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
             "predictions": self.predictions,
             "push_outputs": self.push_outputs,
             "unstable": self.unstable,
+            "argument_reads": self.argument_reads,
         }
         sizes = {name: len(table) for name, table in tables.items()}
         sizes["limit"] = self.predictions.limit
@@ -304,6 +311,10 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
         # slot): what this stage's requests brought each owner (Note [Tensors sent once]). Weak:
         # remembering a tensor must not keep it alive past its last use.
         self.sent_inputs: dict[tuple[int, int], dict[int, tuple]] = {}
+        # Note [Arguments fetched when read]: call id -> (its key, {slot: copy}) of the tensors
+        # this stage's calls kept; (caller stage, call id, slot) -> the value fetched here.
+        self.kept_arguments: dict[int, tuple[tuple, dict[int, torch.Tensor]]] = {}
+        self.fetched_values: dict[tuple[int, int, int], torch.Tensor] = {}
         self.step_workers: dict[int, _Worker] = {}  # microbatch -> leader worker
         self.quiet_calls: dict[int, _Call] = {}  # call id -> this rank's quiet call
         self.quiet_open = 0  # served quiet calls this rank must still finish (hold_open)
@@ -387,6 +398,8 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
             self.served_calls,
             self.early_fetches,
             self.sent_inputs,
+            self.kept_arguments,
+            self.fetched_values,
         ):
             table.clear()
 

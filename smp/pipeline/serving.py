@@ -20,10 +20,10 @@ from torch import nn
 
 from smp.core import messages
 from smp.memory import activations, offload
-from smp.pipeline.calls import _resolve_results
+from smp.pipeline.calls import _Lazy, _resolve_results
 from smp.pipeline.context import CallMode
-from smp.pipeline.protocol import _FETCH, _QUIET, REPLY, _fetch_header
-from smp.pipeline.workers import _PeerFetch, _Worker
+from smp.pipeline.protocol import _ARGUMENT, _FETCH, _QUIET, REPLY, _fetch_header
+from smp.pipeline.workers import _ArgumentFetch, _PeerFetch, _Worker
 
 
 def _call_and_note_changes(module: nn.Module, args: tuple, kwargs: dict, values: list, worker):
@@ -35,7 +35,10 @@ def _call_and_note_changes(module: nn.Module, args: tuple, kwargs: dict, values:
     travels as a reference to the caller's own (``messages.Sent``)."""
     watched = [*enumerate(args), *kwargs.items()]
     before = [(where, v, messages.fingerprint(v)) for where, v in watched]
-    versions = [v._version if isinstance(v, torch.Tensor) else None for v in values]
+    versions = [
+        v._version if isinstance(v, torch.Tensor) and not isinstance(v, _Lazy) else None
+        for v in values
+    ]
     output = activations.call(
         module, args, kwargs, (worker.mode.checkpoint, worker.mode.preserve_rng)
     )
@@ -45,7 +48,11 @@ def _call_and_note_changes(module: nn.Module, args: tuple, kwargs: dict, values:
         for slot, (value, version) in enumerate(zip(values, versions))
         if version is not None and value._version != version
     ]
+    # Arguments fetched when read (Note [Arguments fetched when read]): their values count as
+    # the request's tensors, the placeholders too.
+    written += [(s, v) for s, v, version in worker.fetched_arguments if v._version != version]
     worker.sent_ids = {id(v): i for i, v in enumerate(values) if isinstance(v, torch.Tensor)}
+    worker.sent_ids.update((id(v), s) for s, v, _ in worker.fetched_arguments)
     return output, changed, [(slot, _written_back(worker, slot, t)) for slot, t in written]
 
 
@@ -105,6 +112,9 @@ class ServingMixin:
         once known."""
         if header[3] == _FETCH:
             caller, call_id = header[8], header[9]
+            if caller == _ARGUMENT:
+                self._answer_argument_fetch(peer, header)
+                return
             if caller < 0:
                 caller = peer
             producer = self.served_calls.get((caller, call_id))
@@ -134,6 +144,48 @@ class ServingMixin:
             self._send_outputs(peer, reply, producer, slot)
         else:
             producer.fetches.append((peer, reply, slot))
+
+    def _answer_argument_fetch(self, peer: int, header: list[int]) -> None:
+        """A FETCH of an argument tensor this stage kept for its call ``header[9]`` (Note
+        [Arguments fetched when read]): it goes with the request from now on."""
+        call_id, slot = header[9], header[10]
+        key, kept = self.kept_arguments.get(call_id, (None, {}))
+        if slot not in kept:
+            raise RuntimeError(
+                f"smp: stage {peer} asked for argument tensor {slot} of call {call_id}, which "
+                "this stage does not keep (an internal error)"
+            )
+        reads = self.argument_reads.get(key)
+        if reads is not None:
+            reads.add(slot)
+        self.sender.send(peer, [REPLY, header[1], header[2]], [kept[slot]])
+
+    def _fetch_argument(self, lazy: _Lazy) -> None:
+        """In the served call ``lazy`` came to: its value, from the caller's stage (or from the
+        fetch of another call of this step that took it by reference), as a leaf of this call."""
+        worker = lazy._smp_worker
+        value = self.fetched_values.get(lazy._smp_source)
+        if value is None:
+            if worker.quiet and not worker.quiet_refused:
+                self._refuse_quiet(worker)  # its caller, which does not wait, must answer
+            stage, call_id, slot = lazy._smp_source
+            fetch = _ArgumentFetch(worker, next(self._call_ids))
+            self._expect_reply(fetch, fetch.fetch_id, worker.microbatch)
+            worker.replies_due += 1
+            mb = worker.microbatch
+            self.sender.send(
+                stage, _fetch_header(mb, fetch.fetch_id, False, _ARGUMENT, call_id, slot), []
+            )
+            worker.wait_for(fetch)
+            value = self.fetched_values[lazy._smp_source] = fetch.value
+        value = value.detach()  # its own leaf: the gradient goes back with this call's
+        if worker.grad and lazy._smp_grad:
+            value.requires_grad_(True)
+            worker.boundary[id(value)] = value
+            at = next(i for i, (_, t) in enumerate(worker.input_leaves) if t is lazy)
+            worker.input_leaves[at] = (lazy._smp_slot, value)
+        worker.fetched_arguments.append((lazy._smp_slot, value, value._version))
+        lazy._smp_data = value
 
     def _send_outputs(self, peer: int, reply: list[int], producer: _Worker, slot: int) -> None:
         """Answers a FETCH: the skeleton and every output (``slot`` -1) or output ``slot``."""
@@ -195,6 +247,10 @@ class ServingMixin:
                 worker.peer_inputs.append(fetch)
                 worker.fetches_due += 1
                 values.append(None)
+            elif ref is not None and ref[0] == messages.CALLER:  # kept there until read
+                lazy = _Lazy(worker, (peer, ref[1], ref[2]), slot.index, slot.requires_grad)
+                worker.received[slot.index] = lazy  # a later request may name it
+                values.append(lazy)
             elif ref is not None and ref[0] != messages.INPUT:
                 producer = self.served_calls[(peer, ref[1])]
                 if producer.backward_started:
@@ -216,15 +272,20 @@ class ServingMixin:
                         "stage does not hold"
                     )
                 # Its own leaf over the same data: the gradient goes back with this call's.
-                values.append(producer.received[in_slot].detach())
+                held = producer.received[in_slot]
+                if isinstance(held, _Lazy):  # still kept by the caller
+                    values.append(_Lazy(worker, held._smp_source, slot.index, slot.requires_grad))
+                else:
+                    values.append(held.detach())
             else:
                 worker.received[slot.index] = payload[0]
                 values.append(payload.pop(0))
         worker.input_leaves = []
         for slot, tensor in zip(slots, values):
             if tensor is not None and slot.requires_grad and worker.grad:
-                tensor.requires_grad_(True)
-                worker.boundary[id(tensor)] = tensor
+                if not isinstance(tensor, _Lazy):  # (a placeholder's leaf is its fetched value)
+                    tensor.requires_grad_(True)
+                    worker.boundary[id(tensor)] = tensor
                 worker.input_leaves.append((slot.index, tensor))
         module = self.modules[self.paths[index]]
 
@@ -242,7 +303,10 @@ class ServingMixin:
                     worker.ref_leaves.append((producer, out_slot, value))
                 values[i] = value
             args, kwargs = messages.fill(messages.Skeleton.of(skeleton), values, self.modules)
-            return _resolve_results(_call_and_note_changes(module, args, kwargs, values, worker))
+            results = _call_and_note_changes(module, args, kwargs, values, worker)
+            # Placeholders of arguments it did not read go back as the caller's own tensors.
+            keep = frozenset(id(v) for v in values if isinstance(v, _Lazy))
+            return _resolve_results(results, keep)
 
         worker.target = target
         for waiting in self.early_fetches.pop((peer, call_id), []):
@@ -264,7 +328,10 @@ class ServingMixin:
         )
         worker.out_tensors, worker.skeleton = tensors, skeleton
         worker.replied = True
-        reply = [REPLY, worker.microbatch, call_id, int(worker.calls_made == 0)]
+        # (A call that fetched an argument does not count as calling no other stage: its
+        # caller must stay to answer, Note [Arguments fetched when read].)
+        alone = worker.calls_made == 0 and not worker.fetched_arguments
+        reply = [REPLY, worker.microbatch, call_id, int(alone)]
         if not worker.quiet:
             self.sender.send(caller, reply, [skeleton, *tensors] if worker.push else [skeleton])
         else:

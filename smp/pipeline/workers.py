@@ -77,6 +77,16 @@ class _PeerFetch:
     leaf: torch.Tensor | None = None
 
 
+@dataclasses.dataclass
+class _ArgumentFetch:
+    """A FETCH of an argument tensor that a served call's caller kept (Note [Arguments fetched
+    when read] in smp.pipeline.calls): the served call waits for ``value``."""
+
+    worker: Any
+    fetch_id: int
+    value: torch.Tensor | None = None
+
+
 # ``_current.worker``: the worker this thread runs (None outside one).
 _current = threading.local()
 
@@ -165,6 +175,8 @@ class _Worker:
         self.ref_leaves: list[tuple[_Worker, int, torch.Tensor]] = []  # (producer, slot, leaf)
         self.peer_inputs: list[_PeerFetch] = []  # served: inputs fetched from a third stage
         self.fetches_due = 0  # served: of those, not arrived yet
+        # served: arguments its caller kept, fetched when read: (request slot, leaf, version)
+        self.fetched_arguments: list[tuple[int, torch.Tensor, int]] = []
         self.deferred: list[_Worker] = []  # served calls waiting for this one's outputs
         self.waiting: _Call | None = None  # the call whose REPLY this suspended worker awaits
         self.resuming = False  # processing its own REPLY in its thread (Note [Direct resumes])
@@ -208,7 +220,7 @@ class _Worker:
         self.input_leaves, self.out_tensors, self.out_grads_acc = [], [], {}
         self.sent_ids, self.received = {}, {}
         self.fetches, self.ref_inputs, self.ref_leaves, self.peer_inputs = [], [], [], []
-        self.deferred = []
+        self.deferred, self.fetched_arguments = [], []
 
     def suspend(self) -> None:
         """Gives the baton back to the server and waits to be resumed."""

@@ -83,9 +83,23 @@ def make_batch(name: str, step: int, batch: int = 4) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _parity_worker(name: str, pp: int, microbatches: int, dp: int = 1):
+def _parity_worker(name: str, pp: int, microbatches: int, dp: int = 1, keep_min: int | None = None):
     """Trains ``STEPS`` steps against one process: with ``dp`` replicas, each on its own
-    batches (other lengths, other padding), the reference on all of them."""
+    batches (other lengths, other padding), the reference on all of them. ``keep_min``: the
+    size from which a request tensor the owner did not read stays with the caller (Note
+    [Arguments fetched when read]; 0: every tensor)."""
+    from smp.pipeline import calls
+
+    keep = calls._KEEP_MIN
+    if keep_min is not None:
+        calls._KEEP_MIN = keep_min
+    try:
+        return _parity(name, pp, microbatches, dp)
+    finally:
+        calls._KEEP_MIN = keep
+
+
+def _parity(name: str, pp: int, microbatches: int, dp: int):
     import smp
 
     smp.init({"pipeline_parallel_degree": pp, "microbatches": microbatches, "ddp": dp > 1})
@@ -107,12 +121,17 @@ def _parity_worker(name: str, pp: int, microbatches: int, dp: int = 1):
 
     again = [0]  # tensors that went as references to an earlier request's (tensors sent once)
     quiet = [0]  # requests sent quiet (Note [Quiet calls] in smp/pipeline/protocol.py)
+    kept = [0, 0]  # tensors kept by the caller, and FETCHes of them
     send = Sender.send
 
     def counting_send(self, peer, header, tensors, wait=False):
         if header[0] == protocol.REQUEST and header[3] != protocol._FETCH:
-            again[0] += list(header[8 : 7 + 4 * header[6] : 4]).count(messages.INPUT)
+            stages = list(header[8 : 7 + 4 * header[6] : 4])
+            again[0] += stages.count(messages.INPUT)
+            kept[0] += stages.count(messages.CALLER)
             quiet[0] += bool(header[5] & protocol._QUIET)
+        elif header[0] == protocol.REQUEST:
+            kept[1] += header[8] == protocol._ARGUMENT
         return send(self, peer, header, tensors, wait)
 
     def reference_loss(step: int, replica: int):
@@ -143,7 +162,7 @@ def _parity_worker(name: str, pp: int, microbatches: int, dp: int = 1):
     assert list(full) == list(expected)
     for key, value in expected.items():
         torch.testing.assert_close(full[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
-    return losses, sorted(set(model.partition_plan.assignment.values())), again[0], quiet[0]
+    return losses, sorted(set(model.partition_plan.assignment.values())), again[0], quiet[0], kept
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "t5", "bert", "roberta"])
@@ -152,6 +171,19 @@ def test_default_config_two_stages(pools, name):
     assert results[0][:2] == results[1][:2] and results[0][1] == [0, 1]
     if name in ("gpt2", "llama", "opt"):  # the cache's earlier layers, the masks: once each
         assert results[0][2] > 0, results[0][2]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "t5", "bert", "roberta"])
+def test_every_unread_argument_kept(pools, name):
+    """Every request tensor of any size that the owner does not read stays with the caller and
+    is fetched when read (Note [Arguments fetched when read]): the masks, positions and cache
+    entries of each family, with their gradients and through the optimizer's steps, exact."""
+    results = pools.run(2, _parity_worker, name, 2, 2, 1, 0)
+    assert results[0][:2] == results[1][:2] and results[0][1] == [0, 1]
+    kept = [sum(r[4][i] for r in results) for i in range(2)]
+    assert kept[0] >= kept[1] > 0, kept  # read ones fetched once per microbatch, then sent
+    if name in ("gpt2", "llama", "opt"):  # the cache's earlier layers are never read
+        assert kept[0] > kept[1], kept
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
