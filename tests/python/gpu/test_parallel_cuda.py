@@ -45,7 +45,22 @@ def assert_same_state(model, reference) -> None:
         )
 
 
-def _layout_worker(pp: int, tp: int, microbatches: int, device_kind: str = "cuda"):
+def _layout_worker(
+    pp: int, tp: int, microbatches: int, device_kind: str = "cuda", keep_min: int | None = None
+):
+    """``keep_min``: the size from which a request tensor the owner did not read stays with
+    the caller (0: every one; Note [Arguments fetched when read] in smp.pipeline.calls)."""
+    from smp.pipeline import calls
+
+    keep = calls._KEEP_MIN
+    calls._KEEP_MIN = keep if keep_min is None else keep_min
+    try:
+        return _layout(pp, tp, microbatches, device_kind)
+    finally:
+        calls._KEEP_MIN = keep
+
+
+def _layout(pp: int, tp: int, microbatches: int, device_kind: str):
     import smp
 
     smp.init(
@@ -106,12 +121,12 @@ def _layout_worker(pp: int, tp: int, microbatches: int, device_kind: str = "cuda
 
 
 @pytest.mark.parametrize(
-    "world, pp, tp, microbatches",
-    [(2, 2, 1, 4), (2, 1, 2, 2), (4, 2, 2, 2)],
-    ids=["pp2", "tp2", "pp2xtp2"],
+    "world, pp, tp, microbatches, keep_min",
+    [(2, 2, 1, 4, None), (2, 2, 1, 4, 0), (2, 1, 2, 2, None), (4, 2, 2, 2, None)],
+    ids=["pp2", "pp2-every-unread-argument-kept", "tp2", "pp2xtp2"],
 )
-def test_layouts_sharing_one_gpu_over_gloo(pools, world, pp, tp, microbatches):
-    results = pools.run(world, _layout_worker, pp, tp, microbatches)
+def test_layouts_sharing_one_gpu_over_gloo(pools, world, pp, tp, microbatches, keep_min):
+    results = pools.run(world, _layout_worker, pp, tp, microbatches, "cuda", keep_min)
     assert all(r == results[0] for r in results)
 
 
