@@ -69,7 +69,7 @@ class Kept(nn.Module):
         return self.head(out + wide[:, :16] + wide2[:, :16] + cache[0][:, :16])
 
 
-def _kept_worker(keep: bool, variants: list, blocks: list):
+def _kept_worker(keep: bool, variants: list, blocks: list, checkpointed: bool = False):
     import smp
     from smp.pipeline import protocol, runtime
     from smp.pipeline.sender import Sender
@@ -90,6 +90,9 @@ def _kept_worker(keep: bool, variants: list, blocks: list):
         smp.set_partition(module, 0)
         for name, stage in [("a", 0), ("head", 0), ("blocks", 1)]:
             smp.set_partition(getattr(module, name), stage)
+        if checkpointed:  # the blocks run again in backward, on their arguments
+            for block in module.blocks:
+                smp.set_activation_checkpointing(block)
 
     def before_step(step, module):
         KeptBlock.variant = blocks[step]
@@ -133,6 +136,14 @@ def test_unread_arguments_stay_and_kept_ones_read_are_exact(pools):
     fetches = [k["fetches"] for k in kept]
     assert fetches[0] > 0 and 1 <= fetches[2] <= m and min(fetches[3:5]) >= 1, fetches
     assert fetches[5:] == [0, 0] and kept[5:] == sent[5:], (kept, sent)
+
+
+def test_kept_arguments_of_checkpointed_blocks(pools):
+    """The blocks checkpointed: a recomputation reads what its forward read (fetched then),
+    and the steps that read kept tensors stay exact. (Not variant 3: a checkpointed module may
+    not change its input in place, kept or not.)"""
+    variants = [0, 0, 4, 1, 2, 0]
+    pools.run(2, _kept_worker, True, variants, variants, True)
 
 
 def test_a_kept_argument_read_outside_its_call_fails_on_every_rank(pools):
