@@ -365,6 +365,11 @@ bool ServerPolicy::all_finished() const {
   return is_leader_ ? num_finished_ == num_microbatches_ : num_queued() == 0;
 }
 
+bool ServerPolicy::is_finished(int microbatch) const {
+  check_microbatch(microbatch, "is_finished");
+  return is_leader_ && phase_[microbatch] == Phase::kFinished;
+}
+
 std::string ServerPolicy::describe() const {
   std::string out;
   const auto add = std::back_inserter(out);

@@ -38,7 +38,7 @@ void PipelineServer::dispatch(Message message) {
       unserved_[id] = Unserved{message.peer, microbatch, seq};
       unserved_seqs_[{message.peer, microbatch}].insert(seq);
       hold(id, id, std::move(message));
-      policy_.push(TaskKind::kServeRequest, microbatch, id);
+      push(TaskKind::kServeRequest, microbatch, id);
       return;
     }
     case MessageKind::kReply:
@@ -54,7 +54,7 @@ void PipelineServer::dispatch(Message message) {
       const int64_t task = it->second;  // registered by expect(): used once
       expected_.erase(it);
       hold(task, task, std::move(message));
-      policy_.push(task_kind, microbatch, task);
+      push(task_kind, microbatch, task);
       return;
     }
     case MessageKind::kGradOut: {
@@ -127,6 +127,23 @@ void PipelineServer::release_parked(const PeerMicrobatch& key) {
   if (none_left && seqs != unserved_seqs_.end()) unserved_seqs_.erase(seqs);
 }
 
+// Note [Late answers]
+// A quiet call's owner answers only when the call went otherwise (Note [Quiet calls] in
+// smp/pipeline/protocol.py), and nobody waits for that: the leader's microbatch may have
+// finished by then when the call's outputs are not needed by its loss. Such a REPLY or GRAD_IN
+// (and a REQUEST the call sends after it, a FETCH of an argument its caller kept) is for a
+// microbatch the policy takes no more tasks of. The server hands these tasks out first, in
+// arrival order, and the runtime answers the REPLY or GRAD_IN of a quiet call by running the
+// step again (CallStructureChanged); before, the policy's check failed the step with an
+// internal error.
+void PipelineServer::push(TaskKind kind, int microbatch, int64_t id) {
+  if (is_leader_ && policy_.is_finished(microbatch)) {
+    late_.push_back(Task{kind, microbatch, id, -1});
+  } else {
+    policy_.push(kind, microbatch, id);
+  }
+}
+
 void PipelineServer::hold(int64_t task, int64_t target, Message message) {
   const bool fresh = pending_.try_emplace(task, Held{target, std::move(message)}).second;
   SMP_INTERNAL_ASSERT(fresh, "two pipeline messages for task {}", task);
@@ -135,7 +152,14 @@ void PipelineServer::hold(int64_t task, int64_t target, Message message) {
 std::optional<ServerTask> PipelineServer::next(std::chrono::milliseconds timeout) {
   while (true) {
     while (auto message = transport_->try_recv()) dispatch(std::move(*message));
-    if (std::optional<Task> task = policy_.next()) {
+    std::optional<Task> task;
+    if (!late_.empty()) {  // Note [Late answers]
+      task = late_.front();
+      late_.pop_front();
+    } else {
+      task = policy_.next();
+    }
+    if (task) {
       if (task->kind == TaskKind::kServeRequest) {
         auto unserved = unserved_.find(task->id);
         if (unserved != unserved_.end()) {

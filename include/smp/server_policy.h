@@ -198,6 +198,8 @@ class ServerPolicy {
   int num_started() const { return num_started_; }
   /// Leader: every microbatch finished. Other ranks: nothing queued.
   bool all_finished() const;
+  /// Leader: microbatch m has finished (no task of it may be pushed). Other ranks: false.
+  bool is_finished(int microbatch) const;
 
   /// One-line summary of the policy, the lifecycle and every queued task in the order the
   /// policy would consider them, for error messages and debugging.

@@ -29,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -104,6 +105,9 @@ class PipelineServer {
   };
 
   void dispatch(Message message);
+  // Queues a message's task: with the policy, or first for a finished microbatch (Note [Late
+  // answers] in server.cpp).
+  void push(TaskKind kind, int microbatch, int64_t id);
   // Keeps `message` until its task runs; asserts that no other message holds `task`.
   void hold(int64_t task, int64_t target, Message message);
 
@@ -119,6 +123,9 @@ class PipelineServer {
   std::map<std::pair<int64_t, TaskKind>, int64_t> expected_;
   std::map<std::pair<int, int64_t>, int64_t> served_;  // (peer, call id) -> worker
   std::map<int64_t, Held> pending_;                    // task -> its message
+  // Leader: tasks of messages for microbatches that have finished, handed out first (Note
+  // [Late answers] in server.cpp).
+  std::deque<Task> late_;
   // REQUESTs not handed out yet and the GRAD_OUTs waiting for them: Note [Gradients after the
   // requests before them] in server.cpp.
   struct Unserved {

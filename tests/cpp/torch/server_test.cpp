@@ -156,6 +156,64 @@ TEST(PipelineServerTest, GradOutWaitsForTheRequestsBeforeIt) {
       });
 }
 
+// Note [Late answers]: a quiet call of microbatch 0 goes otherwise after the leader finished
+// that microbatch; its REPLY, and a REQUEST it sends after it, are handed out (in that order)
+// instead of failing the policy's check, and the step goes on with microbatch 1.
+TEST(PipelineServerTest, MessagesForAFinishedMicrobatchAreHandedOutLate) {
+  auto world = std::make_shared<ThreadWorld>(2);
+  std::vector<Rank> ranks;
+  std::promise<void> finished, answered;
+  std::shared_future<void> finished_future = finished.get_future().share();
+  std::shared_future<void> answered_future = answered.get_future().share();
+  const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
+    Transport transport(rank.group, {1 - r}, kLong, kTag);
+    transport.start();
+    PipelineServer server(&transport, PipelineKind::kInterleaved, 2, 1, /*is_leader=*/r == 0);
+    if (r == 0) {
+      auto start = server.next(kLong);
+      ASSERT_TRUE(start);
+      EXPECT_EQ(start->task.microbatch, 0);
+      const int64_t worker = server.new_id();
+      server.expect(/*call_id=*/7, TaskKind::kResume, 0, worker);  // a quiet call: not awaited
+      server.policy().on_forward_done(0);
+      server.policy().on_microbatch_finished(0);
+      finished.set_value();
+      answered_future.wait();
+      std::vector<TaskKind> late;  // microbatch 0's tasks, in the order handed out
+      bool started = false;
+      while (late.size() < 2 || !started) {
+        auto task = server.next(kLong);
+        ASSERT_TRUE(task);
+        if (task->task.kind == TaskKind::kStartMicrobatch) {
+          EXPECT_EQ(task->task.microbatch, 1);
+          started = true;
+          continue;
+        }
+        ASSERT_TRUE(task->message);
+        EXPECT_EQ(task->task.microbatch, 0);
+        late.push_back(task->task.kind);
+        if (task->task.kind == TaskKind::kResume) {
+          EXPECT_EQ(task->task.id, worker);
+          EXPECT_EQ(task->message->header[0], kReply);
+        }
+      }
+      EXPECT_EQ(late, (std::vector<TaskKind>{TaskKind::kResume, TaskKind::kServeRequest}));
+      server.policy().on_forward_done(1);
+      server.policy().on_microbatch_finished(1);
+      EXPECT_FALSE(server.next(kLong));  // every microbatch finished
+      transport.send(1, {kStepEnd, 1}, {});
+    } else {
+      finished_future.wait();
+      transport.send(0, {kReply, 0, 7}, {});                   // the quiet call went otherwise
+      transport.send(0, {kRequest, 0, 9, /*module=*/-1}, {});  // and fetches from its caller
+      answered.set_value();
+      EXPECT_FALSE(server.next(kLong));  // STEP_END
+    }
+    transport.finish();
+  });
+  expect_no_errors(errors);
+}
+
 // An ERROR message surfaces as RemoteStageError carrying the sender's text.
 TEST(PipelineServerTest, ErrorMessageRaisesRemoteStageError) {
   auto world = std::make_shared<ThreadWorld>(2);

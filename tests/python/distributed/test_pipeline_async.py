@@ -950,3 +950,66 @@ def test_local_modules_change_the_lists_they_are_given(pools, root):
     copy during a pipelined step, and what the module appended was lost. With the root on
     stage 0, the list crosses and comes back changed."""
     pools.run(2, _memo_worker, True, root)
+
+
+class Side(nn.Module):
+    """Its output is not used (the root drops it): its calls go quiet, and the leader's
+    microbatch may finish before one runs. With ``call_out`` it calls a module of the leader's
+    stage, so the call goes otherwise then."""
+
+    call_out = False
+
+    def __init__(self, helper: nn.Module):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self._helper = [helper]  # the root's submodule, not this one's
+
+    def forward(self, h):
+        y = torch.tanh(self.fc(h))
+        if Side.call_out:
+            y = y + self._helper[0](y)
+        return y
+
+
+class DropsSide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.head, self.helper = nn.Linear(8, 16), nn.Linear(16, 3), nn.Linear(16, 16)
+        self.side = Side(self.helper)
+        self.variant = 0
+
+    def forward(self, x):
+        h = self.a(x)
+        self.side(h)
+        return self.head(h)
+
+
+def _late_answer_worker():
+    import smp
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "timeout_s": 60})
+
+    def place(module):
+        for path, stage in [("", 0), ("a", 0), ("head", 0), ("helper", 0), ("side", 1)]:
+            smp.set_partition(module.get_submodule(path), stage)
+
+    def before_step(step, module):
+        Side.call_out = step >= 3
+
+    def after_step(step):
+        return smp.state.get_state().runtimes[0].reruns if smp.pp_rank() == 0 else None
+
+    try:
+        return exact_steps(smp, DropsSide, place, [0] * 5, 1, 4, before_step, after_step)
+    finally:
+        Side.call_out = False
+
+
+def test_a_quiet_call_may_go_otherwise_after_its_microbatch_finished(pools):
+    """``side``'s calls are quiet from the second step, and the leader does not wait for them:
+    when one calls the leader's stage (step 3), the leader may have finished that microbatch.
+    Its answer is handed out late (Note [Late answers] in server.cpp) and the step runs again,
+    exactly; before, the policy's check failed the step ("already finished") when the race
+    went that way (1 run in 4 here)."""
+    reruns = pools.run(2, _late_answer_worker)[0]
+    assert reruns == [0, 0, 0, 1, 1], reruns
