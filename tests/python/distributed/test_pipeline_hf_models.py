@@ -186,6 +186,17 @@ def test_every_unread_argument_kept(pools, name):
         assert kept[0] > kept[1], kept
 
 
+@pytest.mark.parametrize("name", ["llama", "t5"])
+@pytest.mark.parametrize("pp, dp", [(2, 2), (4, 1)], ids=["pp2xdp2", "pp4"])
+def test_every_unread_argument_kept_in_other_layouts(pools, name, pp, dp):
+    """The same with every tensor kept, at pp 2 x dp 2 (each replica its own lengths and
+    padding, so its own learned reads) and at pp 4 (one caller keeping for three owners)."""
+    results = pools.run(pp * dp, _parity_worker, name, pp, 2, dp, 0)
+    assert all(r[1] == list(range(pp)) for r in results)
+    kept = [sum(r[4][i] for r in results) for i in range(2)]
+    assert kept[0] >= kept[1] > 0, kept
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_default_config_two_stages_two_replicas(pools, name):
     """pp 2 x dp 2, each replica on batches of its own lengths and padding: the leader's
