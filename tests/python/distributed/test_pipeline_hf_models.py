@@ -83,7 +83,14 @@ def make_batch(name: str, step: int, batch: int = 4) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _parity_worker(name: str, pp: int, microbatches: int, dp: int = 1, keep_min: int | None = None):
+def _parity_worker(
+    name: str,
+    pp: int,
+    microbatches: int,
+    dp: int = 1,
+    keep_min: int | None = None,
+    options: dict | None = None,
+):
     """Trains ``STEPS`` steps against one process: with ``dp`` replicas, each on its own
     batches (other lengths, other padding), the reference on all of them. ``keep_min``: the
     size from which a request tensor the owner did not read stays with the caller (Note
@@ -94,15 +101,17 @@ def _parity_worker(name: str, pp: int, microbatches: int, dp: int = 1, keep_min:
     if keep_min is not None:
         calls._KEEP_MIN = keep_min
     try:
-        return _parity(name, pp, microbatches, dp)
+        return _parity(name, pp, microbatches, dp, options or {})
     finally:
         calls._KEEP_MIN = keep
 
 
-def _parity(name: str, pp: int, microbatches: int, dp: int):
+def _parity(name: str, pp: int, microbatches: int, dp: int, options: dict):
     import smp
 
-    smp.init({"pipeline_parallel_degree": pp, "microbatches": microbatches, "ddp": dp > 1})
+    smp.init(
+        {"pipeline_parallel_degree": pp, "microbatches": microbatches, "ddp": dp > 1, **options}
+    )
     reference = build(name)
     model = smp.DistributedModel(build(name))
     assert model.module.config.use_cache or name in ("bert", "roberta")
@@ -184,6 +193,15 @@ def test_every_unread_argument_kept(pools, name):
     assert kept[0] >= kept[1] > 0, kept  # read ones fetched once per microbatch, then sent
     if name in ("gpt2", "llama", "opt"):  # the cache's earlier layers are never read
         assert kept[0] > kept[1], kept
+
+
+def test_every_unread_argument_kept_under_a_zero_bubble_program(pools):
+    """The same under the static ZB-H1 program, whose weight halves run apart from their input
+    gradients: a fetched argument's leaf takes its gradient as a sent one would."""
+    zbh1 = {"pipeline": "static", "pipeline_schedule": "zbh1"}
+    results = pools.run(2, _parity_worker, "llama", 2, 4, 1, 0, zbh1)
+    kept = [sum(r[4][i] for r in results) for i in range(2)]
+    assert kept[0] > kept[1] > 0, kept
 
 
 @pytest.mark.parametrize("name", ["llama", "t5"])
