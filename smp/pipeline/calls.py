@@ -118,7 +118,7 @@ class _Lazy(_Future):
     def _smp_value(self) -> torch.Tensor:
         if self._smp_data is None:
             worker = self._smp_worker
-            if getattr(_current, "worker", None) is not worker or worker.finished:
+            if getattr(_current, "worker", None) is not worker:  # (None once it finished)
                 stage, _, slot = self._smp_source
                 raise RuntimeError(
                     f"smp: argument tensor {slot} that stage {stage} passed to module "

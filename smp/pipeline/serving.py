@@ -169,10 +169,10 @@ class ServingMixin:
             if worker.quiet and not worker.quiet_refused:
                 self._refuse_quiet(worker)  # its caller, which does not wait, must answer
             stage, call_id, slot = lazy._smp_source
-            fetch = _ArgumentFetch(worker, next(self._call_ids))
-            self._expect_reply(fetch, fetch.fetch_id, worker.microbatch)
-            worker.replies_due += 1
             mb = worker.microbatch
+            fetch = _ArgumentFetch(worker, next(self._call_ids))
+            self._expect_reply(fetch, fetch.fetch_id, mb)
+            worker.replies_due += 1
             self.sender.send(
                 stage, _fetch_header(mb, fetch.fetch_id, False, _ARGUMENT, call_id, slot), []
             )

@@ -16,6 +16,7 @@ namespace smp::pytorch {
 namespace {
 
 using std::chrono::milliseconds;
+using test_util::Event;
 using test_util::expect_no_errors;
 using test_util::Rank;
 using test_util::run_ranks;
@@ -162,9 +163,7 @@ TEST(PipelineServerTest, GradOutWaitsForTheRequestsBeforeIt) {
 TEST(PipelineServerTest, MessagesForAFinishedMicrobatchAreHandedOutLate) {
   auto world = std::make_shared<ThreadWorld>(2);
   std::vector<Rank> ranks;
-  std::promise<void> finished, answered;
-  std::shared_future<void> finished_future = finished.get_future().share();
-  std::shared_future<void> answered_future = answered.get_future().share();
+  Event finished, answered;
   const auto errors = run_ranks(2, world, ranks, [&](int r, Rank& rank) {
     Transport transport(rank.group, {1 - r}, kLong, kTag);
     transport.start();
@@ -177,8 +176,8 @@ TEST(PipelineServerTest, MessagesForAFinishedMicrobatchAreHandedOutLate) {
       server.expect(/*call_id=*/7, TaskKind::kResume, 0, worker);  // a quiet call: not awaited
       server.policy().on_forward_done(0);
       server.policy().on_microbatch_finished(0);
-      finished.set_value();
-      answered_future.wait();
+      finished.set();
+      answered.wait();
       std::vector<TaskKind> late;  // microbatch 0's tasks, in the order handed out
       bool started = false;
       while (late.size() < 2 || !started) {
@@ -203,10 +202,10 @@ TEST(PipelineServerTest, MessagesForAFinishedMicrobatchAreHandedOutLate) {
       EXPECT_FALSE(server.next(kLong));  // every microbatch finished
       transport.send(1, {kStepEnd, 1}, {});
     } else {
-      finished_future.wait();
+      finished.wait();
       transport.send(0, {kReply, 0, 7}, {});                   // the quiet call went otherwise
       transport.send(0, {kRequest, 0, 9, /*module=*/-1}, {});  // and fetches from its caller
-      answered.set_value();
+      answered.set();
       EXPECT_FALSE(server.next(kLong));  // STEP_END
     }
     transport.finish();
