@@ -28,6 +28,7 @@ from smp.model import DistributedModel
 from smp.optimizer import DistributedOptimizer, MasterGradientsChangedError
 from smp.partitioning.plan import PartitionPlan, plan_partition
 from smp.partitioning.trace import partition, set_partition
+from smp.planner.cluster import calibrate_cluster
 from smp.state import init, is_initialized, shutdown
 from smp.step import StepFailedError, StepOutput, microbatch, num_microbatches, step
 from smp.tp.region import DivergentArgumentsError
@@ -84,6 +85,7 @@ __all__ = [
     "set_activation_checkpointing",
     "checkpoint",
     "checkpoint_sequential",
+    "calibrate_cluster",
     *comm.__all__,
 ]
 

@@ -44,6 +44,7 @@ LAYERS = {
     "smp.model": 5,
     "smp.step": 5,
     "smp.optimizer": 5,
+    "smp.planner": 5,  # prices whole layouts: partitioning, pipeline schedules, dp, tp
     # 6: the public faces: the package, smp.nn, and SMP v1's import paths
     "smp": 6,
     "smp.nn": 6,
