@@ -1,0 +1,241 @@
+"""What the planner's memory model measures (smp/planner/memory.py, design.md §13.2): per-module
+activations traced under fake tensors, checked against torch's own memory tracker, against the
+published full-scale figures of Korthikanti et al. 2022, and the ledger's arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from smp.planner.memory import Ledger, StateBytes, peak_in_flight, trace_memory
+
+GIB = 1024**3
+
+
+class _Attention(nn.Module):
+    """Megatron's attention as one TP rank of t runs it (eager: QK^T, softmax, dropout, ·V)."""
+
+    def __init__(self, h: int, a: int, t: int = 1):
+        super().__init__()
+        self.heads, self.head_dim = a // t, h // a
+        self.qkv = nn.Linear(h, 3 * h // t)
+        self.proj = nn.Linear(h // t, h)  # row-parallel: its all-reduce saves nothing
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x_SBH):
+        s, b, _ = x_SBH.shape
+        qkv = self.qkv(x_SBH).view(s, b, self.heads, 3 * self.head_dim).permute(1, 2, 0, 3)
+        q, k, v = qkv.chunk(3, dim=-1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        probs = self.drop(torch.softmax(scores, dim=-1))
+        out = torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.proj(out)
+
+
+class _GPTLayer(nn.Module):
+    """A GPT-3 layer as Korthikanti et al. count it, for one TP rank of t (no sequence
+    parallelism): layer norms, dropouts and the residual stream replicated, the rest split."""
+
+    def __init__(self, h: int, a: int, t: int = 1):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.attn = _Attention(h, a, t)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h // t), nn.Linear(4 * h // t, h)
+        self.drop1, self.drop2 = nn.Dropout(0.1), nn.Dropout(0.1)
+
+    def forward(self, x_SBH):
+        x_SBH = x_SBH + self.drop1(self.attn(self.ln1(x_SBH)))
+        return x_SBH + self.drop2(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x_SBH)))))
+
+
+# Korthikanti et al. 2022, Figure 1 (GiB per GPU, tp 8, microbatch 1, s = 2048, 18 bytes per
+# parameter): (layers, hidden, heads, pp, interleaved chunks, parameters + optimizer state,
+# activations without recomputation). 175B and 530B run the interleaved schedule with 3 chunks
+# per rank (the figure's 1 + (p - 1)/(p·v) factor), 1T plain 1F1B.
+_PUBLISHED = {
+    "175B": (96, 12288, 96, 8, 3, 45.56, 66.84),
+    "530B": (105, 20480, 128, 35, 3, 31.64, 114.02),
+    "1T": (128, 25600, 160, 64, 1, 32.96, 131.25),
+}
+
+
+@pytest.mark.parametrize("name", list(_PUBLISHED))
+def test_the_ledger_of_a_traced_gpt3_layer_matches_the_published_full_scale_memory(name):
+    layers, h, a, p, v, states_gib, activations_gib = _PUBLISHED[name]
+    s, b, t = 2048, 1, 8
+    with torch.device("meta"):
+        layer = _GPTLayer(h, a, t).half()
+    x = torch.empty(s, b, h, dtype=torch.half, device="meta")
+    trace = trace_memory(layer, (x,), device="cuda")  # nothing allocated: a 530B layer here
+    per_layer = trace.activation_bytes()
+    # The formula the paper derives for this layer: sbh(10 + 24/t + 5as/(ht)).
+    assert per_layer == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)), rel=1e-3)
+    # The first rank holds the most: the IR's simulation of its schedule, in chunks of
+    # layers / (p·v) layers each (m = 2p microbatches: enough to reach the steady state).
+    schedule = "interleaved" if v > 1 else "1f1b"
+    in_flight = peak_in_flight(schedule, p, 2 * p, v)[0]
+    layers_per_chunk = layers // (p * v)
+    ledger = Ledger.of(
+        num_parameters=trace.parameter_bytes() / 2 * layers // p,
+        activation_bytes=per_layer * layers_per_chunk,
+        in_flight=in_flight,
+        states=StateBytes(weight=2, gradient=4, optimizer=12),  # Megatron's 18 bytes
+    )
+    assert ledger.activations / GIB == pytest.approx(activations_gib, rel=0.005)
+    states = ledger.parameters + ledger.gradients + ledger.optimizer
+    assert states / GIB == pytest.approx(states_gib, rel=0.005)
+
+
+def test_cpu_kernels_save_what_they_save_and_the_cuda_rule_what_cuda_saves():
+    h, a, s = 64, 4, 32
+    layer = _GPTLayer(h, a)
+    x = torch.randn(s, 2, h)
+    cpu = trace_memory(layer, (x,), device="cpu")
+    cuda = trace_memory(layer, (x,), device="cuda")
+    sbh = s * 2 * h
+    # CPU dropout keeps an fp32 noise tensor (4 bytes an element), CUDA's a bool mask.
+    assert cpu.modules["drop1"].activation_bytes == 4 * sbh
+    assert cuda.modules["drop1"].activation_bytes == sbh
+    assert cpu.modules["attn.drop"].activation_bytes == 4 * a * s * s * 2
+    assert cuda.modules["attn.drop"].activation_bytes == a * s * s * 2
+    with pytest.raises(ValueError, match=r"device is 'cpu' or 'cuda', not 'tpu'"):
+        trace_memory(layer, (x,), device="tpu")
+
+
+class _Shared(nn.Module):
+    """Three projections of one input (saved once), a tied pair of weights (counted once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.embed = nn.Embedding(10, 16)
+        self.head = nn.Linear(16, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        y = self.q(x) * self.k(x) + self.v(x)
+        return self.head(self.drop(y))
+
+
+def test_shared_inputs_and_tied_weights_count_once_and_nothing_is_changed():
+    model = _Shared().eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 10, (4, 8))
+    rng = torch.random.get_rng_state()
+    trace = trace_memory(model, (ids,))
+    x_bytes = 4 * 8 * 16 * 4
+    # q saves x first; k and v save the same storage, which counts at q only.
+    assert trace.modules["q"].activation_bytes == x_bytes
+    assert trace.modules["k"].activation_bytes == 0 and trace.modules["v"].activation_bytes == 0
+    # The product saves q(x) and k(x), in the root's own code; the ids are saved by the
+    # embedding (int64).
+    assert trace.modules[""].activation_bytes == 2 * x_bytes
+    assert trace.modules["embed"].activation_bytes == 4 * 8 * 8
+    assert trace.parameter_bytes() == (3 * (16 * 16 + 16) + 10 * 16) * 4
+    assert trace.modules["head"].parameter_bytes == 0  # tied: counted at the embedding
+    assert trace.modules["head"].output_bytes == 4 * 8 * 10 * 4
+    assert trace.modules["q"].calls == 1
+    # Not changed: eval mode, parameters, the random stream.
+    assert not model.training
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_the_traced_activations_are_what_torchs_memory_tracker_sees_alive_after_a_real_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(_GPTLayer(64, 4), _GPTLayer(64, 4))
+    x = torch.randn(32, 2, 64)  # the input is the caller's, saved by the first layer norm
+    trace = trace_memory(model, (x,))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        out = model(x)
+        loss = out.float().pow(2).mean()
+        alive = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
+        loss.backward()
+    # Alive after the forward: what autograd saved plus the output (unsaved, still referenced),
+    # less the caller's input (not made under the tracker).
+    expected = trace.activation_bytes() - x.numel() * 4 + out.numel() * 4
+    assert alive["Activation"] == pytest.approx(expected, rel=0.01)
+    assert alive["Parameter"] == trace.parameter_bytes()
+
+
+def test_a_meta_hugging_face_llama_traces_without_memory():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=32,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(1, 2048, dtype=torch.long)
+    trace = trace_memory(model, (), {"input_ids": ids, "labels": ids, "use_cache": False})
+    assert trace.parameter_bytes() == sum(p.numel() for p in model.parameters()) * 2
+    layer = trace.activation_bytes("model.layers.0")
+    # The rotary tables, computed once and passed to every layer, count in each layer alone
+    # (a stage holding either holds them) and once in both.
+    assert layer == trace.activation_bytes("model.layers.1")
+    rotary = 2 * 2048 * 128 * 2  # cos and sin, bf16
+    both = trace.activation_bytes(["model.layers.0", "model.layers.1"])
+    assert both == 2 * layer - rotary
+    own = {
+        i: sum(
+            r.activation_bytes
+            for n, r in trace.modules.items()
+            if n.startswith(f"model.layers.{i}")
+        )
+        for i in (0, 1)
+    }  # each storage at the first module that saved it: the tables at layer 0
+    assert own[0] - own[1] == rotary
+    # SDPA keeps no s × s matrix: a layer saves O(s·h) (about 35 sbh bytes with SwiGLU).
+    sbh = 2048 * 4096
+    assert 20 * sbh < layer < 50 * sbh
+    # The head saves its input; the loss, computed in the root's own forward on fp32 logits,
+    # saves their log-softmax: s·V fp32 values, as much as 1.6 layers here.
+    assert trace.modules["lm_head"].activation_bytes == 2048 * 4096 * 2
+    assert trace.modules[""].activation_bytes == pytest.approx(2048 * 32000 * 4, rel=1e-3)
+
+
+def test_peak_in_flight_comes_from_the_schedule_ir():
+    assert peak_in_flight("1f1b", 4, 8) == [4, 3, 2, 1]
+    assert peak_in_flight("gpipe", 4, 8) == [8, 8, 8, 8]
+    assert peak_in_flight("1f1b", 4, 2)[0] == 2  # fewer microbatches than stages
+    assert peak_in_flight("interleaved", 8, 16, 3)[0] == 8 * 3 + 8 - 1
+    assert peak_in_flight("zbh1", 4, 8)[0] == 4
+    with pytest.raises(ValueError, match=r"no schedule 'dualpipe'.*'interleaved'"):
+        peak_in_flight("dualpipe", 4, 8)
+
+
+def test_the_ledger_adds_what_a_rank_holds():
+    states = StateBytes(weight=2, gradient=2, optimizer=12, optimizer_shards=4)
+    assert states.per_parameter() == 2 + 2 + 3
+    ledger = Ledger.of(1e9, 3e6, 4, states, reserved=1e9, other=5e8)
+    assert (ledger.parameters, ledger.gradients, ledger.optimizer) == (2e9, 2e9, 3e9)
+    assert ledger.activations == 12e6 and ledger.in_flight == 4
+    assert ledger.total == 2e9 + 2e9 + 3e9 + 12e6 + 1e9 + 5e8
+    assert ledger.as_dict()["total"] == ledger.total
+
+
+def test_the_cuda_rule_keeps_attention_options_given_positionally():
+    from smp.planner.memory import _CudaKernels
+
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    shapes = []
+    with (
+        torch.autograd.graph.saved_tensors_hooks(
+            lambda t: shapes.append(t.shape) or t, lambda t: t
+        ),
+        _CudaKernels(),
+    ):
+        # attn_mask, dropout_p, is_causal given positionally: dropout goes, causality stays.
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, None, 0.5, True)
+    assert torch.allclose(
+        out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    )
+    assert shapes and all(tuple(s[-2:]) != (8, 8) for s in shapes)  # no s × s matrix saved
