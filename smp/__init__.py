@@ -29,6 +29,7 @@ from smp.optimizer import DistributedOptimizer, MasterGradientsChangedError
 from smp.partitioning.plan import PartitionPlan, plan_partition
 from smp.partitioning.trace import partition, set_partition
 from smp.planner.cluster import calibrate_cluster
+from smp.planner.plan import plan
 from smp.state import init, is_initialized, shutdown
 from smp.step import StepFailedError, StepOutput, microbatch, num_microbatches, step
 from smp.tp.region import DivergentArgumentsError
@@ -86,6 +87,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "calibrate_cluster",
+    "plan",
     *comm.__all__,
 ]
 

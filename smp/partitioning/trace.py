@@ -30,7 +30,14 @@ from smp.core.creation import creation_hook
 from smp.core.rng import random_streams, set_random_streams
 from smp.core.tracing import tracing_pass
 
-__all__ = ["partition", "set_partition", "ModuleTrace", "CallTrace", "trace_modules"]
+__all__ = [
+    "partition",
+    "set_partition",
+    "ModuleTrace",
+    "CallTrace",
+    "trace_modules",
+    "recording",
+]
 
 _PIN_ATTR = "_smp_partition"
 
@@ -143,6 +150,19 @@ def _output_numel(value: Any) -> int:
     return 0
 
 
+def formula_flops(func, args, kwargs, out) -> float | None:
+    """An ATen op's FLOPs by torch's flop counter's formula (matmuls, convolutions, the CUDA
+    attention kernels); None for an op without one, or an exotic overload the formula does not
+    take."""
+    formula = flop_registry.get(func._overloadpacket)
+    if formula is None:
+        return None
+    try:
+        return float(formula(*args, **kwargs, out_val=out))
+    except Exception:  # noqa: BLE001 - an exotic overload
+        return None
+
+
 class _FlopAttribution(TorchDispatchMode):
     """Adds every ATen op's FLOPs to the module running it (the top of the tracer's stack)."""
 
@@ -153,16 +173,11 @@ class _FlopAttribution(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        formula = flop_registry.get(packet)
         if func.is_view:  # views and transposes move no data
             flops = 0
-        elif formula is None:
-            flops = _output_numel(out)
         else:
-            try:
-                flops = formula(*args, **kwargs, out_val=out)
-            except Exception:  # noqa: BLE001 - an exotic overload: fall back to the output size
+            flops = formula_flops(func, args, kwargs, out)
+            if flops is None:
                 flops = _output_numel(out)
         self.tracer.add_flops(flops)
         return out
@@ -264,6 +279,21 @@ def trace_modules(
     """
     with _preserved_state(module), torch.no_grad(), tracing_pass():
         return _traced(module, run_forward, trace_execution_times, warmup_runs)
+
+
+@contextlib.contextmanager
+def recording(module: nn.Module) -> Iterator[dict[str, ModuleTrace]]:
+    """Records, as :func:`trace_modules` does with FLOPs, every module of ``module`` over the
+    forwards the block runs itself (the planner's, on fake tensors): the dict it yields is filled
+    when the block ends. Nothing is run, and no state is saved or restored, here."""
+    records: dict[str, ModuleTrace] = {}
+    tracer = _Tracer(module, False)
+    try:
+        with _FlopAttribution(tracer):
+            yield records
+    finally:
+        tracer.remove()
+        records.update({tracer.names[key]: record for key, record in tracer.records.items()})
 
 
 def _traced(module, run_forward, trace_execution_times: bool, warmup_runs: int) -> dict:

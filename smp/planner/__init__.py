@@ -1,6 +1,7 @@
 """The planner: choosing a whole parallel layout from the model, the cluster and the batch
 (design.md §13). ``cluster``: the devices, links and collectives plans are priced on;
-``memory``: what a model holds, traced under fake tensors, and a rank's ledger."""
+``profile``: what a model holds and runs, traced under fake tensors; ``memory``: a rank's
+ledger."""
 
 from smp.planner.cluster import (
     BUILTIN_CLUSTERS,
@@ -10,14 +11,9 @@ from smp.planner.cluster import (
     calibrate_cluster,
     get_cluster,
 )
-from smp.planner.memory import (
-    Ledger,
-    MemoryTrace,
-    ModuleMemory,
-    StateBytes,
-    peak_in_flight,
-    trace_memory,
-)
+from smp.planner.memory import Ledger, StateBytes, peak_in_flight
+from smp.planner.plan import Plan, Plans, Rejected, plan
+from smp.planner.profile import ModelProfile, ModuleProfile, profile_model
 
 __all__ = [
     "BUILTIN_CLUSTERS",
@@ -25,11 +21,15 @@ __all__ = [
     "Device",
     "Ledger",
     "Link",
-    "MemoryTrace",
-    "ModuleMemory",
+    "ModelProfile",
+    "ModuleProfile",
+    "Plan",
+    "Plans",
+    "Rejected",
     "StateBytes",
     "calibrate_cluster",
     "get_cluster",
     "peak_in_flight",
-    "trace_memory",
+    "plan",
+    "profile_model",
 ]

@@ -78,6 +78,8 @@ class Device:
             in increasing FLOPs; interpolated in log FLOPs, held flat beyond its ends.
         reserved_bytes: memory a rank cannot use for tensors (runtime context, communicator
             buffers, the allocator's floor).
+        op_overhead_s: host time per ATen op on the critical path (eager dispatch on a CPU;
+            0 where kernels queue asynchronously behind longer ones, as on GPUs).
     """
 
     name: str
@@ -86,6 +88,7 @@ class Device:
     memory_bandwidth: float
     matmul_curve: tuple[tuple[float, float], ...]
     reserved_bytes: int = 0
+    op_overhead_s: float = 0.0
 
     def __post_init__(self):
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0:
@@ -144,6 +147,14 @@ class Device:
     def memory_time(self, num_bytes: float) -> float:
         """Seconds to read and write ``num_bytes`` bytes in all (memory-bound work)."""
         return num_bytes / self.memory_bandwidth
+
+    def op_time(self, flops: float, num_bytes: float, dtype: str = "bf16") -> float:
+        """One op, roofline: the slower of its FLOPs (at the matmul efficiency of its size) and
+        its bytes, plus the host's overhead per op."""
+        compute = 0.0
+        if flops > 0:
+            compute = flops / (self.flops_per_second(dtype) * self.matmul_efficiency(flops))
+        return max(compute, self.memory_time(num_bytes)) + self.op_overhead_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,6 +546,12 @@ def _measure_matmuls(min_seconds: float) -> tuple[dict[str, float], list[tuple[f
     return peaks, curve
 
 
+def _measure_op_overhead(min_seconds: float) -> float:
+    """Seconds of one eager op on one-element tensors: the dispatch every op pays."""
+    a, b = torch.ones(1), torch.ones(1)
+    return _median_time(lambda: torch.add(a, b), min_seconds)
+
+
 def _measure_memory_bandwidth(min_seconds: float) -> float:
     """Bytes per second of a 64 MiB copy (read and write) on this thread."""
     src = torch.ones(16 * _MIB // 4 * 4, dtype=torch.float32)
@@ -693,6 +710,7 @@ def calibrate_cluster(
         peaks, curve = _measure_matmuls(min_seconds)
         say("memory bandwidth")
         bandwidth = _measure_memory_bandwidth(min_seconds)
+        overhead = _measure_op_overhead(min_seconds)
     finally:
         torch.set_num_threads(threads)
     say("gloo between two processes")
@@ -709,6 +727,7 @@ def calibrate_cluster(
         memory_bandwidth=bandwidth,
         matmul_curve=tuple(curve),
         reserved_bytes=int(comm["rss_bytes"]),
+        op_overhead_s=overhead,
     )
     cluster = Cluster(
         name=THIS_MACHINE,
@@ -729,6 +748,7 @@ def calibrate_cluster(
         measured={
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__,
+            "cores": cores,
             "quick": quick,
             "matmul_flops_per_s": {str(f): e * peaks["fp32"] for f, e in curve},
             "p2p_s": {str(b): t for b, t in comm["p2p"].items()},

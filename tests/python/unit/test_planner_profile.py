@@ -1,6 +1,7 @@
-"""What the planner's memory model measures (smp/planner/memory.py, design.md §13.2): per-module
-activations traced under fake tensors, checked against torch's own memory tracker, against the
-published full-scale figures of Korthikanti et al. 2022, and the ledger's arithmetic."""
+"""What the planner measures of a model (smp/planner/profile.py, memory.py; design.md §13.2):
+per-module activations and ops traced under fake tensors, checked against torch's own memory
+tracker, against the published full-scale figures of Korthikanti et al. 2022, and the ledger's
+arithmetic."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from smp.planner.memory import Ledger, StateBytes, peak_in_flight, trace_memory
+from smp.planner.memory import Ledger, StateBytes, peak_in_flight
+from smp.planner.profile import profile_model
 
 GIB = 1024**3
 
@@ -70,7 +72,7 @@ def test_the_ledger_of_a_traced_gpt3_layer_matches_the_published_full_scale_memo
     with torch.device("meta"):
         layer = _GPTLayer(h, a, t).half()
     x = torch.empty(s, b, h, dtype=torch.half, device="meta")
-    trace = trace_memory(layer, (x,), device="cuda")  # nothing allocated: a 530B layer here
+    trace = profile_model(layer, (x,), device="cuda")  # nothing allocated: a 530B layer here
     per_layer = trace.activation_bytes()
     # The formula the paper derives for this layer: sbh(10 + 24/t + 5as/(ht)).
     assert per_layer == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)), rel=1e-3)
@@ -94,8 +96,8 @@ def test_cpu_kernels_save_what_they_save_and_the_cuda_rule_what_cuda_saves():
     h, a, s = 64, 4, 32
     layer = _GPTLayer(h, a)
     x = torch.randn(s, 2, h)
-    cpu = trace_memory(layer, (x,), device="cpu")
-    cuda = trace_memory(layer, (x,), device="cuda")
+    cpu = profile_model(layer, (x,), device="cpu")
+    cuda = profile_model(layer, (x,), device="cuda")
     sbh = s * 2 * h
     # CPU dropout keeps an fp32 noise tensor (4 bytes an element), CUDA's a bool mask.
     assert cpu.modules["drop1"].activation_bytes == 4 * sbh
@@ -103,7 +105,7 @@ def test_cpu_kernels_save_what_they_save_and_the_cuda_rule_what_cuda_saves():
     assert cpu.modules["attn.drop"].activation_bytes == 4 * a * s * s * 2
     assert cuda.modules["attn.drop"].activation_bytes == a * s * s * 2
     with pytest.raises(ValueError, match=r"device is 'cpu' or 'cuda', not 'tpu'"):
-        trace_memory(layer, (x,), device="tpu")
+        profile_model(layer, (x,), device="tpu")
 
 
 class _Shared(nn.Module):
@@ -128,7 +130,7 @@ def test_shared_inputs_and_tied_weights_count_once_and_nothing_is_changed():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ids = torch.randint(0, 10, (4, 8))
     rng = torch.random.get_rng_state()
-    trace = trace_memory(model, (ids,))
+    trace = profile_model(model, (ids,))
     x_bytes = 4 * 8 * 16 * 4
     # q saves x first; k and v save the same storage, which counts at q only.
     assert trace.modules["q"].activation_bytes == x_bytes
@@ -151,7 +153,7 @@ def test_the_traced_activations_are_what_torchs_memory_tracker_sees_alive_after_
     torch.manual_seed(0)
     model = nn.Sequential(_GPTLayer(64, 4), _GPTLayer(64, 4))
     x = torch.randn(32, 2, 64)  # the input is the caller's, saved by the first layer norm
-    trace = trace_memory(model, (x,))
+    trace = profile_model(model, (x,))
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
@@ -175,7 +177,7 @@ def test_a_meta_hugging_face_llama_traces_without_memory():
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     ids = torch.zeros(1, 2048, dtype=torch.long)
-    trace = trace_memory(model, (), {"input_ids": ids, "labels": ids, "use_cache": False})
+    trace = profile_model(model, (), {"input_ids": ids, "labels": ids, "use_cache": False})
     assert trace.parameter_bytes() == sum(p.numel() for p in model.parameters()) * 2
     layer = trace.activation_bytes("model.layers.0")
     # The rotary tables, computed once and passed to every layer, count in each layer alone
@@ -223,7 +225,7 @@ def test_the_ledger_adds_what_a_rank_holds():
 
 
 def test_the_cuda_rule_keeps_attention_options_given_positionally():
-    from smp.planner.memory import _CudaKernels
+    from smp.planner.profile import _CudaKernels
 
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
     shapes = []

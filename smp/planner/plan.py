@@ -1,0 +1,513 @@
+"""``smp.plan``: layouts ranked by predicted throughput, each with its per-rank memory ledger, and
+every rejected layout with its reason (design.md §13.3).
+
+A candidate is a layout (pp × tp × dp over the cluster's devices, with the data-parallel ranks
+replicating, sharding the optimizer state, or sharding everything), a microbatch size and count
+(``global_batch = dp × microbatches × microbatch size``), a pipeline schedule and whether the
+repeated blocks are activation-checkpointed. For each, from one profile of the model
+(smp.planner.profile, fake tensors, no memory):
+
+1. **The partition smp will make**: the partitioner's own ``build_plan`` on the profile's traces
+   (the FLOPs and bytes smp's tracer would record), so stages hold what they will hold.
+2. **Memory per rank** (smp.planner.memory.Ledger): the stage's parameters times the bytes per
+   parameter of the precision and sharding, its modules' saved activations scaled to the
+   microbatch size times the microbatches in flight (the schedule IR's simulation; checkpointed
+   blocks keep their inputs, plus one block's activations while it is recomputed), and the
+   device's reserved memory. A candidate whose largest rank does not fit is rejected, naming
+   the rank and by how much.
+3. **Step time**: each stage's forward as the roofline of its ops on the device (FLOPs at the
+   matmul efficiency of their size, bytes at the memory bandwidth, the host's overhead per op),
+   the backward twice that (plus a forward per checkpointed block), crossings as pipeline sends
+   over the group's link; the schedule IR simulates the pipeline with those costs per stage; the
+   data-parallel reduction is added where compute does not hide it (the cluster's ``overlap``),
+   and the optimizer's step as memory-bound work.
+
+Not planned yet (each such candidate is rejected with this reason): tensor parallelism, and
+sharded data parallelism under pipeline parallelism (smp refuses it today).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from smp import _C
+from smp.core.timeline import TimedAction, Timeline
+from smp.partitioning.plan import build_plan
+from smp.planner.cluster import Cluster, get_cluster
+from smp.planner.memory import Ledger, StateBytes, peak_in_flight
+from smp.planner.profile import ModelProfile, profile_model
+
+__all__ = ["Plan", "Plans", "Rejected", "plan"]
+
+_GIB = 1024**3
+
+
+@dataclasses.dataclass
+class Plan:
+    """A layout to run: ``config`` is the dict ``smp.init`` takes; ``checkpointing`` the module
+    paths to give ``smp.set_activation_checkpointing``; ``predicted`` the step time, throughput,
+    MFU, each rank's peak memory and its ledger; ``stages`` each stage's modules."""
+
+    config: dict[str, Any]
+    checkpointing: list[str]
+    predicted: dict[str, Any]
+    stages: list[list[str]]
+    timeline: Timeline | None = dataclasses.field(default=None, repr=False)
+    """The predicted pipeline, as smp.last_step_timeline() draws a real one (one rank per
+    stage; ``save_chrome_trace`` writes it for Perfetto)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "checkpointing": self.checkpointing,
+            "predicted": self.predicted,
+        }
+
+    def summary(self) -> str:
+        p = self.predicted
+        c = self.config
+        layout = (
+            f"pp {c['pipeline_parallel_degree']} × tp {c['tensor_parallel_degree']} × dp "
+            f"{p['data_parallel_degree']}"
+        )
+        sharding = (
+            f", sdp {c['sharded_data_parallel_degree']}"
+            if c.get("sharded_data_parallel_degree", 1) > 1
+            else (", ZeRO-1" if c.get("shard_optimizer_state") else "")
+        )
+        schedule = c.get("pipeline_schedule") or c.get("pipeline", "")
+        schedule = f", {schedule}" if c["pipeline_parallel_degree"] > 1 else ""
+        saving = f", checkpointing {len(self.checkpointing)} blocks" if self.checkpointing else ""
+        return (
+            f"{layout}{sharding}, {c['microbatches']} × {p['microbatch_size']} samples"
+            f"{schedule}{saving}: "
+            f"{p['step_time_s'] * 1e3:.1f} ms/step, {p['samples_per_s']:.1f} samples/s, MFU "
+            f"{p['mfu']:.1%}, peak {_human(max(p['memory_bytes']))}"
+        )
+
+
+@dataclasses.dataclass
+class Rejected:
+    """A candidate layout and why it cannot run (or is not planned)."""
+
+    config: dict[str, Any]
+    reason: str
+
+
+@dataclasses.dataclass
+class Plans:
+    """``smp.plan``'s result: ``plans`` best first, ``rejected`` with their reasons."""
+
+    plans: list[Plan]
+    rejected: list[Rejected]
+
+    def __getitem__(self, index: int) -> Plan:
+        return self.plans[index]
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def __iter__(self):
+        return iter(self.plans)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"plans": [...], "rejected": [...]}``, as ``python -m smp.planner --json`` writes."""
+        return {
+            "plans": [p.to_dict() for p in self.plans],
+            "rejected": [{"config": r.config, "reason": r.reason} for r in self.rejected],
+        }
+
+    def explain(self, top: int = 3) -> str:
+        """The best plans side by side: each one's layout, prediction and ledger of its fullest
+        rank, with what it changes against the first."""
+        if not self.plans:
+            reasons = sorted({r.reason for r in self.rejected})
+            return "no plan fits; reasons:\n" + "\n".join(f"  - {r}" for r in reasons[:10])
+        lines = []
+        best = self.plans[0].predicted["step_time_s"]
+        for i, p in enumerate(self.plans[:top]):
+            delta = p.predicted["step_time_s"] / best - 1
+            lines.append(f"{i + 1}. {p.summary()}" + (f"  ({delta:+.1%} step time)" if i else ""))
+            rank = max(
+                range(len(p.predicted["memory_bytes"])), key=p.predicted["memory_bytes"].__getitem__
+            )
+            ledger = p.predicted["ledger"][rank]
+            parts = ", ".join(
+                f"{k} {_human(ledger[k])}"
+                for k in ("parameters", "gradients", "optimizer", "activations", "reserved")
+            )
+            lines.append(f"   rank {rank}: {parts}; {ledger['in_flight']} microbatches in flight")
+        lines.append(f"{len(self.rejected)} candidates rejected")
+        return "\n".join(lines)
+
+
+# ---- candidates ---------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _batch_dim(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise ValueError(
+        "smp.plan: example_inputs hold no tensor with a batch dimension (dim 0); give the "
+        "inputs of a small batch, as the model takes them"
+    )
+
+
+def _repeated_blocks(model: nn.Module) -> list[str]:
+    """The paths of the layers of the model's largest ``nn.ModuleList`` (its transformer
+    blocks): what activation checkpointing checkpoints."""
+    best: list[str] = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            best = [f"{path}.{i}" if path else str(i) for i in range(len(module))]
+    return best if len(best) >= 2 else []
+
+
+def _states(dtype: torch.dtype, optimizer_shards: int, all_shards: int) -> StateBytes:
+    """Adam's bytes per parameter as smp holds them: an fp32 model 4 + 4 + 8; a 16-bit one its
+    weights and gradients plus fp32 masters with their gradients and the moments (2 + 2 + 16)."""
+    if dtype in (torch.bfloat16, torch.float16):
+        states = StateBytes(weight=2, gradient=2, optimizer=16)
+    else:
+        states = StateBytes(weight=4, gradient=4, optimizer=8)
+    return dataclasses.replace(
+        states,
+        optimizer_shards=max(optimizer_shards, all_shards),
+        weight_shards=all_shards,
+        gradient_shards=all_shards,
+    )
+
+
+_SCHEDULES = {  # the pipeline's config keys -> the schedule IR's generator that models it
+    ("interleaved", None): "1f1b",  # the dynamic default: bounded by 1F1B's order (§4.5)
+    ("static", "1f1b"): "1f1b",
+    ("static", "zbh1"): "zbh1",
+    ("static", "gpipe"): "gpipe",
+}
+
+
+def _program(name: str, pp: int, m: int):
+    S = _C.schedule
+    return {"1f1b": S.one_f_one_b, "zbh1": S.zero_bubble_h1, "gpipe": S.gpipe}[name](pp, m)
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: str | Cluster | Mapping[str, Any],
+    global_batch: int,
+    *,
+    num_devices: int | None = None,
+    devices_per_node: int | None = None,
+    microbatch_sizes: Sequence[int] | None = None,
+    max_plans: int = 10,
+    device: str | None = None,
+    run: Callable[..., Any] | None = None,
+    profile: ModelProfile | None = None,
+) -> Plans:
+    """Plans for training ``model`` on ``cluster`` with ``global_batch`` samples per step, best
+    predicted throughput first.
+
+    Args:
+        model: the model as it will train (its dtype is the plan's precision); it may be on the
+            meta device. It is not changed.
+        example_inputs: a small batch's inputs (a tensor, a tuple of positional arguments, or a
+            dict of keyword arguments); dim 0 of its tensors is the batch. Its sequence length
+            is the plan's.
+        cluster: a cluster name (``"h100"``, ``"this-machine"``, ...), a profile's path or dict,
+            or a :class:`~smp.planner.Cluster`.
+        global_batch: samples per optimizer step, over all data-parallel ranks.
+        num_devices, devices_per_node: override the cluster's.
+        microbatch_sizes: candidate samples per microbatch (default: powers of two that divide
+            the per-replica batch).
+        max_plans: how many plans to return.
+        device: whose kernels' saved tensors count, "cpu" or "cuda" (default: "cpu" for
+            ``this-machine``, else "cuda").
+        run: ``run(model, *args, **kwargs)`` returns the loss when the model does not compute
+            it itself (its memory and work count on the stages that run it).
+        profile: a profile of the model made earlier (``profile_model``) to reuse.
+
+    Returns:
+        :class:`Plans`: ``plans[0].config`` is the dict ``smp.init`` takes.
+
+    Raises:
+        ValueError: bad arguments (named), or a model that cannot run on fake tensors.
+    """
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"smp.plan: global_batch must be an int >= 1, got {global_batch!r}")
+    target = get_cluster(cluster, num_devices=num_devices, devices_per_node=devices_per_node)
+    if device is None:
+        device = "cpu" if target.name == "this-machine" else "cuda"
+    if isinstance(example_inputs, Mapping):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    else:
+        args, kwargs = (example_inputs,), {}
+    example_batch = _batch_dim(args, kwargs)
+    if profile is None:
+        profile = profile_model(model, args, kwargs, run=run, device=device)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    blocks = _repeated_blocks(model)
+    n = target.num_devices
+    plans: list[Plan] = []
+    rejected: list[Rejected] = []
+    partitions: dict[int, Any] = {}
+    for tp in _divisors(n):
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            base = {
+                "pipeline_parallel_degree": pp,
+                "tensor_parallel_degree": tp,
+                "ddp": True,
+            }
+            if dtype is torch.bfloat16:
+                base["bf16"] = True
+            elif dtype is torch.float16:
+                base["fp16"] = True
+            if tp > 1:
+                rejected.append(Rejected(base, "tensor parallelism is not planned yet"))
+                continue
+            if global_batch % dp:
+                rejected.append(
+                    Rejected(base, f"global batch {global_batch} is not divisible by dp {dp}")
+                )
+                continue
+            if pp not in partitions:
+                try:
+                    partitions[pp] = build_plan(model, pp, profile.traces, 0.2)
+                except ValueError as exc:
+                    partitions[pp] = exc
+            partition = partitions[pp]
+            if isinstance(partition, Exception):
+                rejected.append(Rejected(base, f"cannot partition into {pp} stages: {partition}"))
+                continue
+            stage_totals = profile.stage_totals(partition.assignment, pp)
+            per_replica = global_batch // dp
+            sizes = microbatch_sizes or [s for s in _divisors(per_replica) if s & (s - 1) == 0]
+            for mbs in sizes:
+                if per_replica % mbs:
+                    continue
+                m = per_replica // mbs
+                for sharding in ("none", "optimizer", "all"):
+                    if dp == 1 and sharding != "none":
+                        continue
+                    config = dict(base, microbatches=m)
+                    if sharding == "optimizer":
+                        config["shard_optimizer_state"] = True
+                    elif sharding == "all":
+                        config["sharded_data_parallel_degree"] = dp
+                        if pp > 1:
+                            rejected.append(
+                                Rejected(
+                                    config,
+                                    "sharded data parallelism under pipeline parallelism is "
+                                    "not built yet",
+                                )
+                            )
+                            continue
+                        if dtype is torch.float16:
+                            rejected.append(
+                                Rejected(
+                                    config, "fp16 with sharded data parallelism is not built yet"
+                                )
+                            )
+                            continue
+                    schedules = list(_SCHEDULES) if pp > 1 else [("interleaved", None)]
+                    for pipeline, schedule in schedules:
+                        cfg = dict(config, pipeline=pipeline)
+                        if schedule:
+                            cfg["pipeline_schedule"] = schedule
+                        for checkpointed in (False, True) if blocks else (False,):
+                            got = _price(
+                                profile, target, partition, stage_totals, cfg, dtype,
+                                mbs / example_batch, mbs, m, dp, pp,
+                                _SCHEDULES[(pipeline, schedule)],
+                                blocks, checkpointed, global_batch,
+                            )  # fmt: skip
+                            if isinstance(got, Rejected):
+                                rejected.append(got)
+                            else:
+                                plans.append(got)
+    plans.sort(key=lambda p: p.predicted["step_time_s"])
+    return Plans(plans[:max_plans], rejected)
+
+
+def _stage_seconds(device, ops: Sequence[tuple[float, int, str]], scale: float) -> float:
+    return sum(device.op_time(flops * scale, nbytes * scale, dtype) for flops, nbytes, dtype in ops)
+
+
+def _price(
+    profile: ModelProfile,
+    cluster: Cluster,
+    partition,
+    stage_totals: list[dict[str, Any]],
+    config: dict[str, Any],
+    dtype: torch.dtype,
+    scale: float,
+    mbs: int,
+    m: int,
+    dp: int,
+    pp: int,
+    schedule: str,
+    blocks: list[str],
+    checkpointed: bool,
+    global_batch: int,
+) -> Plan | Rejected:
+    device = cluster.device
+    element = torch.finfo(dtype).bits // 8
+    sdp = config.get("sharded_data_parallel_degree", 1)
+    states = _states(dtype, dp if config.get("shard_optimizer_state") else 1, sdp)
+    in_flight = peak_in_flight(schedule, pp, m) if pp > 1 else [1]
+    # Per stage: forward seconds, activation bytes per microbatch, parameters.
+    forward, activations, params = [], [], []
+    for stage in range(pp):
+        totals = stage_totals[stage]
+        forward.append(_stage_seconds(device, totals["ops"], scale))
+        params.append(totals["parameter_bytes"] / element)
+        own = [b for b in blocks if partition.assignment.get(b) == stage]
+        # Backward's working set, one microbatch at a time: the gradients flowing through a
+        # block and the ones it makes are at most its saved activations again; a margin until
+        # it is measured (design.md §13.3). Without blocks here: the stage's whole microbatch.
+        block = max((profile.activation_bytes(b) for b in own), default=0)
+        margin = block if own else totals["activation_bytes"]
+        if checkpointed and own:
+            # A checkpointed block keeps its inputs; one block at a time holds its activations
+            # again while it is recomputed (not per microbatch in flight).
+            inputs = sum(profile.traces[b].input_bytes for b in own)
+            outside = totals["activation_bytes"] - profile.activation_bytes(own)
+            activations.append(((max(outside, 0) + inputs) * scale, (block + margin) * scale))
+        else:
+            activations.append((totals["activation_bytes"] * scale, margin * scale))
+    recompute = [0.0] * pp
+    for b in blocks if checkpointed else []:
+        stage = partition.assignment.get(b, 0)
+        ops = [
+            op
+            for name, r in profile.modules.items()
+            if name == b or name.startswith(f"{b}.")
+            for op in r.ops
+        ]
+        recompute[stage] += _stage_seconds(device, ops, scale)
+    # Memory per rank: rank r is stage (r // tp) % pp (placement "cluster": dp slowest).
+    ledgers = []
+    for stage in range(pp):
+        kept, transient = activations[stage]
+        ledgers.append(
+            Ledger.of(
+                num_parameters=params[stage],
+                activation_bytes=kept,
+                in_flight=in_flight[stage],
+                states=states,
+                reserved=device.reserved_bytes,
+                other=transient,
+            )
+        )
+    usable = device.memory_bytes
+    worst = max(range(pp), key=lambda s: ledgers[s].total)
+    if ledgers[worst].total > usable:
+        over = ledgers[worst].total - usable
+        return Rejected(
+            config,
+            f"does not fit: stage {worst}'s ranks need {_human(ledgers[worst].total)}, "
+            f"{_human(over)} over the device's {_human(usable)}",
+        )
+    # Time: the pipeline simulated with per-stage costs, then the data-parallel tail.
+    if pp > 1:
+        link_bytes = {}
+        for link in partition.links:
+            link_bytes[link.stages] = link.forward_bytes
+        costs = []
+        for stage in range(pp):
+            crossing = link_bytes.get((stage, stage + 1), 0.0) * scale
+            f = max(forward[stage], 1e-9)
+            b = 2 * forward[stage] + recompute[stage]
+            costs.append(
+                _C.schedule.ActionCosts(
+                    forward=f,
+                    full_backward=max(b, 1e-9),
+                    backward_input=max(b / 2, 1e-9),
+                    backward_weight=max(b / 2, 1e-9),
+                    latency=cluster.p2p_time(crossing),
+                )
+            )
+        simulated = _C.schedule.simulate(_program(schedule, pp, m), costs)
+        makespan = simulated.makespan
+        pieces: dict[int, list[TimedAction]] = {stage: [] for stage in range(pp)}
+        for rank, action, start, end in simulated.actions:
+            pieces[rank].append(TimedAction(action, start, end))
+    else:
+        backward = 2 * forward[0] + recompute[0]
+        makespan = m * (forward[0] + backward)
+        pieces = {0: []}
+        for mb in range(m):
+            start = mb * (forward[0] + backward)
+            pieces[0].append(TimedAction(f"0F{mb}", start, start + forward[0]))
+            pieces[0].append(
+                TimedAction(f"0B{mb}", start + forward[0], start + forward[0] + backward)
+            )
+    grad_bytes = max(params) * states.gradient
+    if sdp > 1:
+        weight_bytes = max(params) * states.weight
+        comm = 2 * cluster.all_gather_time(weight_bytes, sdp, pp) + cluster.reduce_scatter_time(
+            grad_bytes, sdp, pp
+        )
+    elif config.get("shard_optimizer_state"):
+        comm = cluster.reduce_scatter_time(grad_bytes, dp, pp) + cluster.all_gather_time(
+            max(params) * states.weight, dp, pp
+        )
+    else:
+        comm = cluster.all_reduce_time(grad_bytes, dp, pp)
+    exposed = (1 - cluster.overlap) * comm
+    optimizer = device.memory_time(
+        max(params) / states.optimizer_shards * 2 * (states.optimizer + 8)
+    )
+    step = makespan + exposed + optimizer
+    # Model FLOPs: the forward's matmuls per sample, three times (forward and backward).
+    per_sample = sum(f for r in profile.modules.values() for f, _, _ in r.ops) * scale / mbs
+    peak = device.flops_per_second(_dtype_name(dtype)) * cluster.num_devices
+    mfu = 3 * per_sample * global_batch / step / peak
+    tp = config["tensor_parallel_degree"]
+    per_rank = [ledgers[(r // tp) % pp] for r in range(cluster.num_devices)]
+    return Plan(
+        config=config,
+        checkpointing=list(blocks) if checkpointed else [],
+        predicted={
+            "step_time_s": step,
+            "samples_per_s": global_batch / step,
+            "mfu": mfu,
+            "memory_bytes": [ledger.total for ledger in per_rank],
+            "ledger": [ledger.as_dict() for ledger in per_rank],
+            "data_parallel_degree": dp,
+            "microbatch_size": mbs,
+            "pipeline_seconds": makespan,
+            "data_parallel_seconds": exposed,
+            "optimizer_seconds": optimizer,
+        },
+        stages=[partition.stage_modules(st) for st in range(pp)] if pp > 1 else [["<whole model>"]],
+        timeline=Timeline(pieces),
+    )
+
+
+def _human(num_bytes: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

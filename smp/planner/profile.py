@@ -1,0 +1,359 @@
+"""What a model holds and computes, measured from the model itself (design.md §13.2).
+
+:func:`profile_model` runs one forward of the model under fake tensors (``FakeTensorMode``:
+shapes, dtypes and autograd without data, so a 175B-parameter layer traces on a laptop) with grad
+on and the model in training mode, and records per module:
+
+- ``parameter_bytes``: the parameters it owns itself (a parameter shared by several modules
+  counts once, at the first module that registers it, in ``named_modules`` order);
+- ``activation_bytes``: the storage of every tensor autograd saved for backward while this
+  module's own code ran (not its submodules'), each storage counted once over the whole forward,
+  at the module that saved it first: three projections taking one input share it; a saved view
+  keeps its whole base. Parameters and buffers are not activations. This is what the forward
+  leaves behind for its backward, per microbatch;
+- ``output_bytes``: its outputs' tensor bytes (what crosses to the next stage when it ends one);
+- ``ops``: each ATen op its own code ran, as (matmul FLOPs, bytes read and written, dtype): what
+  the time model prices on a device (smp.planner.cost);
+
+and, in ``traces``, what smp's partitioner reads (smp.partitioning.trace.recording), so a plan
+is priced on the partition smp will make.
+
+Why not a formula: the literature's per-layer activation formula (Korthikanti et al. 2022,
+34·sbh + 5·as²b) describes Megatron's layer; a user's module saves what its own code saves (SDPA
+saves no s² terms; SwiGLU saves three ffn-wide tensors; HF's Llama saves its rotary tables), and
+measuring it costs one fake forward. The formula is a check: an eager Megatron-style GPT-3 layer
+traces to it (tests/python/unit/test_planner_memory.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import sdpa_flop_count
+
+from smp.partitioning.trace import ModuleTrace, formula_flops, recording
+
+__all__ = ["ModelProfile", "ModuleProfile", "profile_model"]
+
+
+@dataclasses.dataclass
+class ModuleProfile:
+    """What one module holds and runs (own: not counting its submodules). ``activation_bytes``:
+    the storages it saved first (one that several modules save counts at the first); ``ops``:
+    (matmul FLOPs, bytes read and written, dtype name) per ATen op its own code ran."""
+
+    parameter_bytes: int = 0
+    activation_bytes: int = 0
+    output_bytes: int = 0
+    calls: int = 0
+    ops: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class ModelProfile:
+    """:func:`profile_model`'s result: per module path ("" is the root), own bytes and ops; each
+    saved storage's bytes with the modules that saved it (a stage holding any of them holds it);
+    the partitioner's traces."""
+
+    modules: dict[str, ModuleProfile]
+    saved: list[tuple[int, frozenset[str]]] = dataclasses.field(default_factory=list)
+    traces: dict[str, ModuleTrace] = dataclasses.field(default_factory=dict)
+
+    def _within(self, paths: str | Sequence[str]) -> Callable[[str], bool]:
+        paths = [paths] if isinstance(paths, str) else list(paths)
+        if "" in paths:
+            return lambda name: True
+        prefixes = tuple(f"{p}." for p in paths)
+        exact = set(paths)
+        return lambda name: name in exact or name.startswith(prefixes)
+
+    def parameter_bytes(self, paths: str | Sequence[str] = "") -> int:
+        """Parameters of the subtrees of ``paths`` (the whole model by default)."""
+        inside = self._within(paths)
+        return sum(r.parameter_bytes for name, r in self.modules.items() if inside(name))
+
+    def stage_totals(self, assignment: Mapping[str, int], num_stages: int) -> list[dict[str, Any]]:
+        """Per stage of a partition (``assignment``: module path -> stage, as
+        ``PartitionPlan.assignment``), what its modules' own code holds and runs: parameter
+        bytes, saved activation bytes (a storage saved on several stages counts on each), and
+        their ops."""
+        totals = [
+            {"parameter_bytes": 0, "activation_bytes": 0, "ops": []} for _ in range(num_stages)
+        ]
+        for name, record in self.modules.items():
+            stage = assignment.get(name, 0)
+            totals[stage]["parameter_bytes"] += record.parameter_bytes
+            totals[stage]["ops"].extend(record.ops)
+        for nbytes, owners in self.saved:
+            for stage in {assignment.get(owner, 0) for owner in owners}:
+                totals[stage]["activation_bytes"] += nbytes
+        return totals
+
+    def activation_bytes(self, paths: str | Sequence[str] = "") -> int:
+        """What the subtrees of ``paths`` save for their backward per traced forward: every
+        storage one of their modules saved, once (a stage of those modules holds this)."""
+        inside = self._within(paths)
+        return sum(nbytes for nbytes, owners in self.saved if any(map(inside, owners)))
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _tensors(getattr(value, f.name))
+    elif hasattr(value, "to_tuple") and callable(value.to_tuple):  # HF ModelOutput
+        yield from _tensors(value.to_tuple())
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Recorder:
+    """Module hooks keeping the innermost running module, and the saved-tensor pack hook."""
+
+    def __init__(self, model: nn.Module, exclude: set[StorageWeakRef]):
+        self.stack: list[str] = []
+        self.names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        self.records: dict[str, ModuleProfile] = {
+            name: ModuleProfile() for name, _ in model.named_modules()
+        }
+        self.exclude = exclude
+        self.saved: dict[StorageWeakRef, tuple[int, set[str]]] = {}
+        # Every saved tensor, held until the trace ends: a storage freed mid-forward (a dead
+        # branch's graph) could otherwise be replaced by a new one at its address, which its
+        # weak reference would take for it.
+        self.alive: list[torch.Tensor] = []
+        self.handles = []
+        for module in model.modules():
+            self.handles.append(module.register_forward_pre_hook(self._enter))
+            self.handles.append(module.register_forward_hook(self._leave, always_call=True))
+
+    def _enter(self, module, args) -> None:
+        name = self.names[id(module)]
+        self.stack.append(name)
+        self.records.setdefault(name, ModuleProfile()).calls += 1
+
+    def _leave(self, module, args, output) -> None:
+        name = self.stack.pop()
+        self.records[name].output_bytes += sum(_bytes(t) for t in _tensors(output))
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = StorageWeakRef(storage)
+        if key in self.exclude:
+            return tensor
+        owner = self.stack[-1] if self.stack else ""
+        self.alive.append(tensor)
+        if key not in self.saved:
+            self.saved[key] = (storage.nbytes(), set())
+            self.records[owner].activation_bytes += storage.nbytes()
+        self.saved[key][1].add(owner)
+        return tensor
+
+    def add_op(self, flops: float, nbytes: int, dtype: str) -> None:
+        self.records[self.stack[-1] if self.stack else ""].ops.append((flops, nbytes, dtype))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class _OpCosts(TorchDispatchMode):
+    """Adds each ATen op to the module running it: its FLOPs where torch's flop counter has a
+    formula (matmuls, convolutions, attention), the bytes of its tensor inputs and outputs (the
+    memory it moves), the dtype of its first floating input. Views move nothing and count none."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view:
+            return out
+        if func._overloadpacket is _CPU_ATTENTION:  # torch's counter has the CUDA kernels only
+            flops = float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+        else:
+            flops = formula_flops(func, args, kwargs, out) or 0.0  # else priced by its bytes
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        dtype = next((_DTYPES[t.dtype] for t in tensors if t.dtype in _DTYPES), "fp32")
+        self.recorder.add_op(flops, sum(_bytes(t) for t in tensors), dtype)
+        return out
+
+
+def _fake_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor standing for ``t``: made in the mode for a meta tensor (no memory), its
+    fake copy otherwise."""
+    if t.is_meta:
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return mode.from_tensor(t.detach().cpu() if t.device.type != "cpu" else t.detach())
+
+
+def _fake_state(model: nn.Module, mode: FakeTensorMode) -> dict[str, torch.Tensor]:
+    """Fake copies of the model's parameters (requiring grad, as they do) and buffers, by name."""
+    state: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}  # one fake per tensor: tied names share it
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in made:
+            made[id(p)] = nn.Parameter(_fake_like(mode, p), requires_grad=p.requires_grad)
+        state[name] = made[id(p)]
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if id(b) not in made:
+            made[id(b)] = _fake_like(mode, b)
+        state[name] = made[id(b)]
+    return state
+
+
+# Note [Kernels of the target device]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What an op saves for backward depends on the kernel that runs it. Tracing runs on fake CPU
+# tensors (a CPU-only torch cannot run ops on fake CUDA tensors, and on the meta device
+# scaled_dot_product_attention takes the math path, saving the s × s attention matrix that
+# flash kernels never hold). Two CPU kernels save what their CUDA ones do not:
+# - dropout: CUDA runs the fused native_dropout, saving a 1-byte mask; the CPU's composite
+#   dropout saves a noise tensor of the input's dtype;
+# - scaled_dot_product_attention with dropout: CUDA's flash and memory-efficient kernels save
+#   the inputs, the output, the log-sum-exp and a seed; the CPU falls back to the math path.
+# For ``device="cuda"`` the trace runs those ops as the CUDA kernels would save: native_dropout
+# (the op CUDA's dropout calls), and attention without its dropout (the same saved tensors as
+# the kernel with it, up to the seed's few bytes). Outputs keep their shapes and dtypes.
+
+
+class _CudaKernels(torch.overrides.TorchFunctionMode):
+    """Note [Kernels of the target device]."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.nn.functional.dropout, torch.dropout):
+            x, p, training = _dropout_args(func, args, kwargs)
+            if training and 0 < p < 1 and x.requires_grad:
+                return torch.native_dropout(x, p, True)[0]
+        elif func is torch.nn.functional.scaled_dot_product_attention and len(args) > 3:
+            # Positional options by name, then no dropout.
+            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            kwargs = {**dict(zip(names, args[3:])), **kwargs, "dropout_p": 0.0}
+            args = args[:3]
+        elif func is torch.nn.functional.scaled_dot_product_attention:
+            kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
+
+
+def _dropout_args(func, args, kwargs) -> tuple[torch.Tensor, float, bool]:
+    if func is torch.nn.functional.dropout:
+        names = ("input", "p", "training", "inplace")
+        defaults = {"p": 0.5, "training": True}
+    else:  # torch.dropout(input, p, train)
+        names = ("input", "p", "train")
+        defaults = {}
+    bound = {**defaults, **dict(zip(names, args)), **kwargs}
+    training = bound.get("training", bound.get("train", True))
+    return bound["input"], float(bound["p"]), bool(training)
+
+
+def profile_model(
+    model: nn.Module,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    run: Callable[..., Any] | None = None,
+    device: str = "cpu",
+) -> ModelProfile:
+    """Traces one training forward of ``model(*args, **kwargs)`` under fake tensors and returns
+    each module's own parameters, saved activations, outputs and ops (module docstring).
+
+    The model may be on the meta device or a real one; nothing is allocated, run or changed:
+    parameters, buffers and inputs are fake CPU tensors swapped in for the call
+    (``torch.func.functional_call``), the training mode is put back, and the random generator's
+    state is restored. ``run(model, *args, **kwargs)``, when given, is called instead of the
+    model, for a loss computed outside it. ``device``: the kernels whose saved tensors count,
+    "cpu" or "cuda" (Note [Kernels of the target device]).
+
+    Raises:
+        ValueError: an unknown ``device``.
+        RuntimeError: the forward cannot run on fake tensors (it reads a tensor's values: a
+            data-dependent branch); torch's error names the op.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"smp: profile_model's device is 'cpu' or 'cuda', not {device!r}")
+    kwargs = dict(kwargs or {})
+    # Real tensors a ``run`` closes over (targets, masks) become fake as they are used.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(value):
+        if isinstance(value, torch.Tensor):
+            return _fake_like(mode, value)
+        if isinstance(value, Mapping):
+            return type(value)({k: fake(v) for k, v in value.items()})
+        if isinstance(value, (list, tuple)):
+            return type(value)(fake(v) for v in value)
+        return value
+
+    was_training = model.training
+    state = _fake_state(model, mode)
+    f_args, f_kwargs = fake(tuple(args)), fake(kwargs)
+    exclude = {StorageWeakRef(t.untyped_storage()) for t in state.values()}
+    recorder = _Recorder(model, exclude)
+    runner = _Run(model, run)
+    state = {f"model.{name}": value for name, value in state.items()}
+    rng = torch.random.get_rng_state()
+    try:
+        model.train()
+        with (
+            mode,
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t),
+            _CudaKernels() if device == "cuda" else contextlib.nullcontext(),
+            recording(model) as traces,
+            _OpCosts(recorder),
+        ):
+            torch.func.functional_call(runner, state, f_args, f_kwargs, tie_weights=True)
+    finally:
+        recorder.remove()
+        model.train(was_training)
+        torch.random.set_rng_state(rng)
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                recorder.records[name].parameter_bytes += _bytes(p)
+    saved = [(nbytes, frozenset(owners)) for nbytes, owners in recorder.saved.values()]
+    recorder.alive.clear()
+    return ModelProfile(recorder.records, saved, traces)
+
+
+class _Run(nn.Module):
+    """Calls ``run(model, ...)`` (or the model) as a module, for ``functional_call``."""
+
+    def __init__(self, model: nn.Module, run: Callable[..., Any] | None):
+        super().__init__()
+        self.model = model
+        self.run = run
+
+    def forward(self, *args, **kwargs):
+        if self.run is None:
+            return self.model(*args, **kwargs)
+        return self.run(self.model, *args, **kwargs)
