@@ -346,6 +346,25 @@ def plan(
     return Plans(plans[:max_plans], rejected)
 
 
+def _gathered_bytes(profile, partition, blocks, pp: int) -> list[float]:
+    """Per stage, what FSDP2 holds whole beyond the shards (smp.dp.sharded: the blocks are units,
+    the rest of the model one more, resharded after forward): the root unit's parameters for the
+    whole step with their gradients before the reduce-scatter, and two blocks' parameters (the
+    one running and the one prefetched) with one block's gradients."""
+    out = []
+    for stage in range(pp):
+        own = [b for b in blocks if partition.assignment.get(b) == stage]
+        block = max((profile.parameter_bytes(b) for b in own), default=0)
+        on_stage = sum(
+            r.parameter_bytes
+            for name, r in profile.modules.items()
+            if partition.assignment.get(name, 0) == stage
+        )
+        root = on_stage - profile.parameter_bytes(own) if own else on_stage
+        out.append(float(2 * root + 3 * block))
+    return out
+
+
 def _stage_seconds(device, ops: Sequence[tuple[float, int, str]], scale: float) -> float:
     return sum(device.op_time(flops * scale, nbytes * scale, dtype) for flops, nbytes, dtype in ops)
 
@@ -371,7 +390,12 @@ def _price(
     element = torch.finfo(dtype).bits // 8
     sdp = config.get("sharded_data_parallel_degree", 1)
     states = _states(dtype, dp if config.get("shard_optimizer_state") else 1, sdp)
-    in_flight = peak_in_flight(schedule, pp, m) if pp > 1 else [1]
+    if pp == 1:
+        in_flight = [1]
+    elif config["pipeline"] == "static":
+        in_flight = peak_in_flight(schedule, pp, m)
+    else:  # the dynamic policy may hold every active microbatch on any stage
+        in_flight = [min(pp + 2, m)] * pp
     # Per stage: forward seconds, activation bytes per microbatch, parameters.
     forward, activations, params = [], [], []
     for stage in range(pp):
@@ -403,9 +427,28 @@ def _price(
         ]
         recompute[stage] += _stage_seconds(device, ops, scale)
     # Memory per rank: rank r is stage (r // tp) % pp (placement "cluster": dp slowest).
+    crossing = [0.0] * pp  # bytes a stage sends and receives per microbatch, both directions
+    for link in partition.links if pp > 1 else []:
+        for stage in link.stages:
+            crossing[stage] += (link.forward_bytes + link.backward_bytes) * scale
+    gathered = _gathered_bytes(profile, partition, blocks, pp) if sdp > 1 else [0.0] * pp
+    if sdp > 1 and m > 1:  # gradients accumulate whole over the microbatches, as do the weights
+        gathered = [
+            g + params[st] * (states.weight + states.gradient) for st, g in enumerate(gathered)
+        ]
     ledgers = []
     for stage in range(pp):
         kept, transient = activations[stage]
+        # The pipeline's messages: what a stage received and the copies it sent, per microbatch
+        # in flight; FSDP2's gathered parameters and unreduced gradients.
+        transient += crossing[stage] * in_flight[stage] + gathered[stage]
+        # Weight gradients computed apart (design.md §4.4; the dynamic policy on stages after
+        # the first, ZB-H1 everywhere) keep a recomputed block's activations until they run,
+        # for up to min(pp, m) microbatches.
+        split = schedule == "zbh1" or (config["pipeline"] != "static" and stage > 0)
+        if checkpointed and pp > 1 and split:
+            own = [b for b in blocks if partition.assignment.get(b) == stage]
+            transient += profile.activation_bytes(own) * scale * min(pp, m) if own else 0.0
         ledgers.append(
             Ledger.of(
                 num_parameters=params[stage],

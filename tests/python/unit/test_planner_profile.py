@@ -241,3 +241,33 @@ def test_the_cuda_rule_keeps_attention_options_given_positionally():
         out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     )
     assert shapes and all(tuple(s[-2:]) != (8, 8) for s in shapes)  # no s × s matrix saved
+
+
+def test_live_memory_sees_the_peak_torchs_tracker_sees():
+    from smp.planner.live import LiveMemory
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_GPTLayer(64, 4), _GPTLayer(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 2, 64)
+
+    def step():
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # the optimizer's state exists from here on
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    live = LiveMemory([*model.parameters(), *state])
+    with live:
+        step()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    # The tracker does not count the caller's input, which the first layer norm saves.
+    assert live.peak_bytes == pytest.approx(peak + x.numel() * 4, rel=1e-3)
+    assert live.current_bytes < live.peak_bytes  # what the step made was freed
+    live.reset_peak()
+    assert live.peak_bytes == live.current_bytes
