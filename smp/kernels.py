@@ -28,6 +28,29 @@ __all__ = ["set_fused", "fused_enabled", "vocab_cross_entropy", "bias_gelu"]
 _ENABLED = {"cross_entropy": True, "bias_gelu": False}
 
 
+# Shapes and dtypes of the ops' outputs, for fake tensors (FakeTensorMode: the planner's profile,
+# torch.compile's tracing), which run no kernel.
+@torch.library.register_fake("smp::vocab_ce_stats")
+def _vocab_ce_stats_fake(logits, target, vocab_start):
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return tuple(logits.new_empty(logits.size(0), dtype=dtype) for _ in range(3))
+
+
+@torch.library.register_fake("smp::vocab_ce_grad")
+def _vocab_ce_grad_fake(logits, lse, target, vocab_start, grad):
+    return torch.empty_like(logits)
+
+
+@torch.library.register_fake("smp::bias_gelu")
+def _bias_gelu_fake(x, bias, approximate):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("smp::bias_gelu_backward")
+def _bias_gelu_backward_fake(grad, x, bias, approximate):
+    return torch.empty_like(x)
+
+
 def set_fused(name: str, enabled: bool) -> None:
     """Turns one fused kernel on or off for every later call (see the module docstring)."""
     if name not in _ENABLED:

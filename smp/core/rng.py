@@ -5,11 +5,29 @@ rewind and checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from smp.state import get_state, is_initialized
 
-__all__ = ["tp_rng", "random_streams", "set_random_streams"]
+__all__ = ["tp_rng", "random_streams", "set_random_streams", "streams_without_init"]
+
+_unseeded: dict[str, torch.Generator] | None = None  # streams_without_init's generators
+
+
+@contextlib.contextmanager
+def streams_without_init() -> Iterator[None]:
+    """Inside, :func:`tp_rng` works before ``smp.init`` with generators of its own (seed 0):
+    for the planner, which runs tensor-parallel modules on fake tensors before any process
+    group exists, where what is drawn does not matter."""
+    global _unseeded
+    outer, _unseeded = _unseeded, {}
+    try:
+        yield
+    finally:
+        _unseeded = outer
 
 
 def tp_rng(kind: str, device: torch.device | str | None = None) -> torch.Generator:
@@ -24,6 +42,8 @@ def tp_rng(kind: str, device: torch.device | str | None = None) -> torch.Generat
     agrees across the group where it must.
     """
     if not is_initialized():
+        if _unseeded is not None:
+            return _unseeded.setdefault(f"{kind}@{device}", torch.Generator().manual_seed(0))
         raise RuntimeError("smp.nn dropout needs smp.init(...) first (it seeds the TP generators)")
     device = torch.device("cpu" if device is None else device)
     if device.type == "cuda" and device.index is None:

@@ -28,7 +28,9 @@ sharded data parallelism under pipeline parallelism (smp refuses it today).
 
 from __future__ import annotations
 
+import copy as copy_module
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,11 +38,16 @@ import torch
 from torch import nn
 
 from smp import _C
+from smp.core.rng import streams_without_init
 from smp.core.timeline import TimedAction, Timeline
+from smp.memory.activations import set_activation_checkpointing
 from smp.partitioning.plan import build_plan
 from smp.planner.cluster import Cluster, get_cluster
 from smp.planner.memory import Ledger, StateBytes, peak_in_flight
 from smp.planner.profile import ModelProfile, profile_model
+from smp.tp.functional import local_only
+from smp.tp.lm_head import distribute_lm_head
+from smp.tp.registry import distribute_marked_modules, set_tensor_parallelism
 
 __all__ = ["Plan", "Plans", "Rejected", "plan"]
 
@@ -60,6 +67,15 @@ class Plan:
     timeline: Timeline | None = dataclasses.field(default=None, repr=False)
     """The predicted pipeline, as smp.last_step_timeline() draws a real one (one rank per
     stage; ``save_chrome_trace`` writes it for Perfetto)."""
+
+    def apply(self, model: nn.Module) -> None:
+        """Prepares ``model`` (not yet wrapped) as planned: marks all of it for tensor
+        parallelism when the plan has ``tensor_parallel_degree > 1`` (as creating it under
+        ``smp.tensor_parallelism()`` would), and checkpoints the planned blocks."""
+        if self.config.get("tensor_parallel_degree", 1) > 1:
+            set_tensor_parallelism(model, True)
+        for path in self.checkpointing:
+            set_activation_checkpointing(model.get_submodule(path))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -262,11 +278,16 @@ def plan(
         profile = profile_model(model, args, kwargs, run=run, device=device)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     blocks = _repeated_blocks(model)
+    flops_per_sample = sum(f for r in profile.modules.values() for f, _, _ in r.ops) / example_batch
     n = target.num_devices
     plans: list[Plan] = []
     rejected: list[Rejected] = []
-    partitions: dict[int, Any] = {}
+    partitions: dict[tuple[int, int], Any] = {}
     for tp in _divisors(n):
+        if tp == 1:
+            layout = (model, profile)
+        else:
+            layout = _tensor_parallel(model, tp, args, kwargs, run, device)
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
             base = {
@@ -279,23 +300,26 @@ def plan(
             elif dtype is torch.float16:
                 base["fp16"] = True
             if tp > 1:
-                rejected.append(Rejected(base, "tensor parallelism is not planned yet"))
+                base["prescaled_batch"] = True  # the TP group shares its batch (Megatron's way)
+            if isinstance(layout, str):
+                rejected.append(Rejected(base, layout))
                 continue
+            ranked_model, ranked = layout  # the model as one TP rank holds it, and its profile
             if global_batch % dp:
                 rejected.append(
                     Rejected(base, f"global batch {global_batch} is not divisible by dp {dp}")
                 )
                 continue
-            if pp not in partitions:
+            if (tp, pp) not in partitions:
                 try:
-                    partitions[pp] = build_plan(model, pp, profile.traces, 0.2)
+                    partitions[tp, pp] = build_plan(ranked_model, pp, ranked.traces, 0.2)
                 except ValueError as exc:
-                    partitions[pp] = exc
-            partition = partitions[pp]
+                    partitions[tp, pp] = exc
+            partition = partitions[tp, pp]
             if isinstance(partition, Exception):
                 rejected.append(Rejected(base, f"cannot partition into {pp} stages: {partition}"))
                 continue
-            stage_totals = profile.stage_totals(partition.assignment, pp)
+            stage_totals = ranked.stage_totals(partition.assignment, pp)
             per_replica = global_batch // dp
             sizes = microbatch_sizes or [s for s in _divisors(per_replica) if s & (s - 1) == 0]
             for mbs in sizes:
@@ -333,10 +357,10 @@ def plan(
                             cfg["pipeline_schedule"] = schedule
                         for checkpointed in (False, True) if blocks else (False,):
                             got = _price(
-                                profile, target, partition, stage_totals, cfg, dtype,
+                                ranked, target, partition, stage_totals, cfg, dtype,
                                 mbs / example_batch, mbs, m, dp, pp,
                                 _SCHEDULES[(pipeline, schedule)],
-                                blocks, checkpointed, global_batch,
+                                blocks, checkpointed, global_batch, flops_per_sample,
                             )  # fmt: skip
                             if isinstance(got, Rejected):
                                 rejected.append(got)
@@ -344,6 +368,58 @@ def plan(
                                 plans.append(got)
     plans.sort(key=lambda p: p.predicted["step_time_s"])
     return Plans(plans[:max_plans], rejected)
+
+
+class _StandIn:
+    """What smp's TP conversion and its primitives under ``local_only`` read of a TP group:
+    its size, this rank (0) and that it carries host tensors."""
+
+    _device_types = (torch.device("cpu"),)
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+def _tensor_parallel(model, tp: int, args, kwargs, run, device) -> tuple[Any, Any] | str:
+    """The model as rank 0 of a TP group of ``tp`` holds it (whole-model marking, as
+    ``smp.tensor_parallelism()``: smp's own conversion, on a copy), and its profile run as
+    that rank runs it (``local_only``: primitives keep their shapes and report their bytes);
+    or why there is none."""
+    copy = copy_module.deepcopy(model)
+    set_tensor_parallelism(copy, True)
+    group = _StandIn(tp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # modules kept whole show in the rank's parameters
+        heads, _ = distribute_lm_head(copy, group)
+        copy, paths = distribute_marked_modules(copy, group)
+    if not heads and not paths:
+        return f"no module of {type(model).__name__} is split by smp's tensor parallelism at {tp}"
+    with local_only(group), streams_without_init():
+        return copy, profile_model(copy, args, kwargs, run=run, device=device)
+
+
+# The collectives a TP primitive issues forward and backward (smp.tp.functional).
+_FORWARD = {"reduce_from_region": "all_reduce", "gather_from_region": "all_gather",
+            "reduce_scatter": "reduce_scatter", "all_gather": "all_gather"}  # fmt: skip
+_BACKWARD = {"copy_to_region": "all_reduce", "scatter_to_region": "all_gather",
+             "reduce_scatter": "all_gather", "all_gather": "reduce_scatter"}  # fmt: skip
+
+
+def _tp_seconds(cluster, collectives, tp: int, scale: float, table) -> float:
+    cost = {
+        "all_reduce": cluster.all_reduce_time,
+        "all_gather": cluster.all_gather_time,
+        "reduce_scatter": cluster.reduce_scatter_time,
+    }
+    return sum(
+        cost[table[name]](nbytes * scale, tp, 1) for name, nbytes in collectives if name in table
+    )
 
 
 def _gathered_bytes(profile, partition, blocks, pp: int) -> list[float]:
@@ -385,6 +461,7 @@ def _price(
     blocks: list[str],
     checkpointed: bool,
     global_batch: int,
+    model_flops_per_sample: float,
 ) -> Plan | Rejected:
     device = cluster.device
     element = torch.finfo(dtype).bits // 8
@@ -398,9 +475,16 @@ def _price(
         in_flight = [min(pp + 2, m)] * pp
     # Per stage: forward seconds, activation bytes per microbatch, parameters.
     forward, activations, params = [], [], []
+    tp = config["tensor_parallel_degree"]
+    tp_backward = []
     for stage in range(pp):
         totals = stage_totals[stage]
-        forward.append(_stage_seconds(device, totals["ops"], scale))
+        comm = totals["collectives"]
+        forward.append(
+            _stage_seconds(device, totals["ops"], scale)
+            + _tp_seconds(cluster, comm, tp, scale, _FORWARD)
+        )
+        tp_backward.append(_tp_seconds(cluster, comm, tp, scale, _BACKWARD))
         params.append(totals["parameter_bytes"] / element)
         own = [b for b in blocks if partition.assignment.get(b) == stage]
         # Backward's working set, one microbatch at a time: the gradients flowing through a
@@ -477,7 +561,7 @@ def _price(
         for stage in range(pp):
             crossing = link_bytes.get((stage, stage + 1), 0.0) * scale
             f = max(forward[stage], 1e-9)
-            b = 2 * forward[stage] + recompute[stage]
+            b = 2 * forward[stage] + recompute[stage] + tp_backward[stage]
             costs.append(
                 _C.schedule.ActionCosts(
                     forward=f,
@@ -493,7 +577,7 @@ def _price(
         for rank, action, start, end in simulated.actions:
             pieces[rank].append(TimedAction(action, start, end))
     else:
-        backward = 2 * forward[0] + recompute[0]
+        backward = 2 * forward[0] + recompute[0] + tp_backward[0]
         makespan = m * (forward[0] + backward)
         pieces = {0: []}
         for mb in range(m):
@@ -505,25 +589,24 @@ def _price(
     grad_bytes = max(params) * states.gradient
     if sdp > 1:
         weight_bytes = max(params) * states.weight
-        comm = 2 * cluster.all_gather_time(weight_bytes, sdp, pp) + cluster.reduce_scatter_time(
-            grad_bytes, sdp, pp
-        )
+        comm = 2 * cluster.all_gather_time(
+            weight_bytes, sdp, pp * tp
+        ) + cluster.reduce_scatter_time(grad_bytes, sdp, pp * tp)
     elif config.get("shard_optimizer_state"):
-        comm = cluster.reduce_scatter_time(grad_bytes, dp, pp) + cluster.all_gather_time(
-            max(params) * states.weight, dp, pp
+        comm = cluster.reduce_scatter_time(grad_bytes, dp, pp * tp) + cluster.all_gather_time(
+            max(params) * states.weight, dp, pp * tp
         )
     else:
-        comm = cluster.all_reduce_time(grad_bytes, dp, pp)
+        comm = cluster.all_reduce_time(grad_bytes, dp, pp * tp)
     exposed = (1 - cluster.overlap) * comm
     optimizer = device.memory_time(
         max(params) / states.optimizer_shards * 2 * (states.optimizer + 8)
     )
     step = makespan + exposed + optimizer
-    # Model FLOPs: the forward's matmuls per sample, three times (forward and backward).
-    per_sample = sum(f for r in profile.modules.values() for f, _, _ in r.ops) * scale / mbs
+    # Model FLOPs: the whole model's forward matmuls per sample, three times (forward and
+    # backward).
     peak = device.flops_per_second(_dtype_name(dtype)) * cluster.num_devices
-    mfu = 3 * per_sample * global_batch / step / peak
-    tp = config["tensor_parallel_degree"]
+    mfu = 3 * model_flops_per_sample * global_batch / step / peak
     per_rank = [ledgers[(r // tp) % pp] for r in range(cluster.num_devices)]
     return Plan(
         config=config,

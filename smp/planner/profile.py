@@ -13,7 +13,9 @@ on and the model in training mode, and records per module:
   leaves behind for its backward, per microbatch;
 - ``output_bytes``: its outputs' tensor bytes (what crosses to the next stage when it ends one);
 - ``ops``: each ATen op its own code ran, as (matmul FLOPs, bytes read and written, dtype): what
-  the time model prices on a device (smp.planner.cost);
+  the time model prices on a device (smp.planner.plan);
+- ``collectives``: the tensor-parallel primitives its own code ran (a model converted for a TP
+  rank and run under ``smp.tp.functional.local_only``), with the bytes each moves;
 
 and, in ``traces``, what smp's partitioner reads (smp.partitioning.trace.recording), so a plan
 is priced on the partition smp will make.
@@ -41,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import sdpa_flop_count
 
 from smp.partitioning.trace import ModuleTrace, formula_flops, recording
+from smp.tp.functional import observing
 
 __all__ = ["ModelProfile", "ModuleProfile", "profile_model"]
 
@@ -56,6 +59,8 @@ class ModuleProfile:
     output_bytes: int = 0
     calls: int = 0
     ops: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
+    # tensor-parallel primitives its own code ran, (name, bytes of the whole buffer)
+    collectives: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -84,15 +89,17 @@ class ModelProfile:
     def stage_totals(self, assignment: Mapping[str, int], num_stages: int) -> list[dict[str, Any]]:
         """Per stage of a partition (``assignment``: module path -> stage, as
         ``PartitionPlan.assignment``), what its modules' own code holds and runs: parameter
-        bytes, saved activation bytes (a storage saved on several stages counts on each), and
-        their ops."""
+        bytes, saved activation bytes (a storage saved on several stages counts on each), their
+        ops and their tensor-parallel collectives."""
         totals = [
-            {"parameter_bytes": 0, "activation_bytes": 0, "ops": []} for _ in range(num_stages)
+            {"parameter_bytes": 0, "activation_bytes": 0, "ops": [], "collectives": []}
+            for _ in range(num_stages)
         ]
         for name, record in self.modules.items():
             stage = assignment.get(name, 0)
             totals[stage]["parameter_bytes"] += record.parameter_bytes
             totals[stage]["ops"].extend(record.ops)
+            totals[stage]["collectives"].extend(record.collectives)
         for nbytes, owners in self.saved:
             for stage in {assignment.get(owner, 0) for owner in owners}:
                 totals[stage]["activation_bytes"] += nbytes
@@ -166,6 +173,9 @@ class _Recorder:
             self.records[owner].activation_bytes += storage.nbytes()
         self.saved[key][1].add(owner)
         return tensor
+
+    def add_collective(self, name: str, nbytes: int) -> None:
+        self.records[self.stack[-1] if self.stack else ""].collectives.append((name, nbytes))
 
     def add_op(self, flops: float, nbytes: int, dtype: str) -> None:
         self.records[self.stack[-1] if self.stack else ""].ops.append((flops, nbytes, dtype))
@@ -327,6 +337,7 @@ def profile_model(
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t),
             _CudaKernels() if device == "cuda" else contextlib.nullcontext(),
             recording(model) as traces,
+            observing(recorder.add_collective),
             _OpCosts(recorder),
         ):
             torch.func.functional_call(runner, state, f_args, f_kwargs, tie_weights=True)

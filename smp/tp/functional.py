@@ -17,7 +17,8 @@ better: bool tensors travel as uint8, and the shard/unshard arithmetic of parame
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,28 +45,58 @@ __all__ = [
     "random_streams",
     "set_random_streams",
     "vocab_parallel_cross_entropy",
+    "local_only",
+    "observing",
 ]
 
 
 _local_only = 0
+_stand_in: Any = None  # local_only's group, for tp_group(None)
+# Called as (primitive, bytes of the whole buffer it moves) by each primitive run under
+# ``local_only``: the planner prices the collectives a forward would issue (``observing``).
+_observers: list[Callable[[str, int], None]] = []
 
 
 @contextlib.contextmanager
-def local_only() -> Iterator[None]:
+def observing(callback: Callable[[str, int], None]) -> Iterator[None]:
+    """Inside (and inside ``local_only``), each primitive calls ``callback(name, nbytes)``:
+    its name ("copy_to_region", "reduce_from_region", "scatter_to_region",
+    "gather_from_region", "reduce_scatter", "all_gather") and the bytes of the whole buffer its
+    collective moves (the all-reduced tensor; a gather's or scatter's whole tensor)."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
+def _note(name: str, whole: torch.Tensor) -> None:
+    for callback in _observers:
+        callback(name, whole.numel() * whole.element_size())
+
+
+@contextlib.contextmanager
+def local_only(group: Any = None) -> Iterator[None]:
     """Inside, no primitive communicates: each one returns a tensor of the shape it would
     return with the whole group (a gather repeats this rank's part ``size`` times, a scatter
     or reduce-scatter keeps this rank's chunk, a reduction keeps this rank's value), so every
     distributed module computes on the shapes, and costs, it has in training; the values are
     not the group's. Used when one rank runs the model alone: the partitioner's tracing pass on
-    rank 0. (Turning each primitive into the identity instead broke modules that enter the
-    region from a whole tensor: a hidden-split LayerNorm or a row-split Linear then saw the
-    full width against its shard.)"""
-    global _local_only
+    rank 0, and the planner's profile of a layout before smp runs (``group``: an object with
+    ``size()`` and ``rank()`` that ``tp_group(None)`` returns inside, standing in for a TP group
+    no process holds). (Turning each primitive into the identity instead broke modules that
+    enter the region from a whole tensor: a hidden-split LayerNorm or a row-split Linear then
+    saw the full width against its shard.)"""
+    global _local_only, _stand_in
     _local_only += 1
+    outer = _stand_in
+    if group is not None:
+        _stand_in = group
     try:
         yield
     finally:
         _local_only -= 1
+        _stand_in = outer
 
 
 def _local_chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -84,6 +115,8 @@ def tp_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """``group``, or smp's tensor-parallel group when None (needs ``smp.init``)."""
     if group is not None:
         return group
+    if _stand_in is not None:
+        return _stand_in
     from smp.state import get_state
 
     return get_state().groups["tp"]
@@ -92,6 +125,7 @@ def tp_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
 def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Identity forward; all-reduce (SUM) of the gradient backward."""
     if _local_only:
+        _note("copy_to_region", x)
         return x
     return _C.tp.copy_to_region(x, tp_group(group))
 
@@ -99,6 +133,7 @@ def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
 def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-reduce (SUM) forward; identity backward."""
     if _local_only:
+        _note("reduce_from_region", x)
         return x
     return _C.tp.reduce_from_region(x, tp_group(group))
 
@@ -108,6 +143,7 @@ def scatter_to_region(
 ) -> torch.Tensor:
     """This rank's chunk along ``dim`` forward; all-gather of the gradient backward."""
     if _local_only:
+        _note("scatter_to_region", x)
         return _local_chunk(x, dim, group)
     return _C.tp.scatter_to_region(x, dim, tp_group(group))
 
@@ -119,7 +155,9 @@ def gather_from_region(
 
     Works for any dtype: bool tensors are sent as uint8 (gloo has no bool)."""
     if _local_only:
-        return _local_repeat(x, dim, group)
+        out = _local_repeat(x, dim, group)
+        _note("gather_from_region", out)
+        return out
     if x.dtype == torch.bool:
         return _C.tp.gather_from_region(x.to(torch.uint8), dim, tp_group(group)).bool()
     return _C.tp.gather_from_region(x, dim, tp_group(group))
@@ -128,6 +166,7 @@ def gather_from_region(
 def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None):
     """Reduce-scatter (SUM) along ``dim`` forward; all-gather of the gradient backward."""
     if _local_only:
+        _note("reduce_scatter", x)
         return _local_chunk(x, dim, group)
     return _C.tp.reduce_scatter(x, dim, tp_group(group))
 
@@ -135,7 +174,9 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = 
 def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None):
     """All-gather along ``dim`` forward; reduce-scatter (SUM) of the gradient backward."""
     if _local_only:
-        return _local_repeat(x, dim, group)
+        out = _local_repeat(x, dim, group)
+        _note("all_gather", out)
+        return out
     return _C.tp.all_gather(x, dim, tp_group(group))
 
 

@@ -96,6 +96,8 @@ class VocabParallelHead(DistributedModule):
 
 def _longest(rows: torch.Tensor, group: dist.ProcessGroup) -> int:
     """The largest row count of ``rows`` over the TP group (one all-gather of an integer)."""
+    if tpf._local_only:  # every rank is this one (tracing, planning): nothing to learn
+        return rows.size(0)
     return int(_exchange(group, torch.tensor([rows.size(0)], dtype=torch.int64)).max())
 
 
@@ -213,7 +215,7 @@ def _agree_on_batch(root: nn.Module, labels, arguments: dict) -> int:
     dims = [int(d) for d in shaped.shape[:2]] if torch.is_tensor(shaped) else [0, 0]
     dims += [0] * (2 - len(dims))
     group, n = _group_and_size()
-    if not _batch_semantics(n):
+    if not _batch_semantics(n) or tpf._local_only:  # local_only: every rank is this one
         return dims[0]
     mine = torch.tensor([int(labels is not None), *dims], dtype=torch.int64)
     everyone = _exchange(group, mine).view(n, -1)

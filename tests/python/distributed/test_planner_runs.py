@@ -24,25 +24,37 @@ def _plans():
     )  # fmt: skip
 
 
-def _pick(plans, pp: int, zero: bool, checkpointing: bool):
+def _pick(plans, pp: int, zero: bool, checkpointing: bool, tp: int = 1):
     for p in plans:
         c = p.config
         if (
             c["pipeline_parallel_degree"] == pp
+            and c["tensor_parallel_degree"] == tp
             and c.get("shard_optimizer_state", False) == zero
             and bool(p.checkpointing) == checkpointing
             and c.get("pipeline_schedule") in (None, "1f1b")
         ):
             return p
-    raise AssertionError(f"no plan with pp {pp}, ZeRO-1 {zero}, checkpointing {checkpointing}")
+    raise AssertionError(
+        f"no plan with pp {pp}, tp {tp}, ZeRO-1 {zero}, checkpointing {checkpointing}"
+    )
 
 
-def _run_worker(config, checkpointing):
-    smp.init(config)
+def _shard(x, y):
+    """This replica's part of the batch: the TP ranks of a replica share theirs
+    (``prescaled_batch``, which tensor-parallel plans set)."""
+    if smp.state.get_state().config.prescaled_batch:
+        size, rank = smp.rdp_size(), smp.rdp_rank()
+    else:
+        size, rank = smp.dp_size(), smp.dp_rank()
+    return x.chunk(size)[rank], y.chunk(size)[rank]
+
+
+def _run_worker(chosen):
+    smp.init(chosen.config)
     torch.manual_seed(0)
     module = build_model("gpt")
-    for path in checkpointing:
-        smp.set_activation_checkpointing(module.get_submodule(path))
+    chosen.apply(module)  # tensor parallelism and checkpointing as planned
     model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
 
@@ -54,9 +66,7 @@ def _run_worker(config, checkpointing):
 
     losses = []
     for i in range(2):
-        x, y = make_batch("gpt", 8, i)
-        dp, rank = smp.dp_size(), smp.dp_rank()
-        x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
+        x, y = _shard(*make_batch("gpt", 8, i))
         losses.append(train_step(model, x, y).reduce_mean().item())
         opt.step()
         opt.zero_grad()
@@ -67,17 +77,18 @@ def _run_worker(config, checkpointing):
         for t in state.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0  # the moments, not the step counts
     )
-    pp = config["pipeline_parallel_degree"]
+    pp = chosen.config["pipeline_parallel_degree"]
     stages = [model.partition_plan.stage_modules(s) for s in range(pp)] if pp > 1 else None
     return params, states, stages, losses
 
 
 @pytest.mark.parametrize(
-    "pp,zero,checkpointing", [(2, False, False), (2, False, True), (1, True, False)]
+    "pp,zero,checkpointing,tp",
+    [(2, False, False, 1), (2, False, True, 1), (1, True, False, 1), (1, False, False, 2)],
 )
-def test_a_plan_runs_as_planned(pools, pp, zero, checkpointing):
-    chosen = _pick(_plans(), pp, zero, checkpointing)
-    results = pools.run(2, _run_worker, chosen.config, chosen.checkpointing)
+def test_a_plan_runs_as_planned(pools, pp, zero, checkpointing, tp):
+    chosen = _pick(_plans(), pp, zero, checkpointing, tp)
+    results = pools.run(2, _run_worker, chosen)
     for rank, (params, states, stages, losses) in enumerate(results):
         ledger = chosen.predicted["ledger"][rank]
         assert params == ledger["parameters"], (rank, params, ledger)
@@ -93,14 +104,13 @@ def _gpt4():
     return GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=4, n_head=4, n_embd=128))
 
 
-def _peak_worker(config, checkpointing, batch):
+def _peak_worker(chosen, batch):
     from smp.planner.live import LiveMemory
 
-    smp.init(config)
+    smp.init(chosen.config)
     torch.manual_seed(0)
     module = _gpt4()
-    for path in checkpointing:
-        smp.set_activation_checkpointing(module.get_submodule(path))
+    chosen.apply(module)
     model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
 
@@ -110,7 +120,7 @@ def _peak_worker(config, checkpointing, batch):
         model.backward(loss)
         return loss
 
-    g = torch.Generator().manual_seed(smp.dp_rank())  # each replica its own data
+    g = torch.Generator().manual_seed(smp.rdp_rank())  # each replica its own data
     x, y = (torch.randint(0, 512, (batch, 128), generator=g) for _ in range(2))
     train_step(model, x, y)  # the first step partitions and makes the optimizer state
     opt.step()
@@ -126,23 +136,25 @@ def _peak_worker(config, checkpointing, batch):
     return live.peak_bytes
 
 
-# (pp, sharding, microbatch size, pipeline schedule, checkpointing): layouts whose peaks the
+# (pp, sharding, microbatch size, pipeline schedule, checkpointing, tp): layouts whose peaks the
 # first ledgers under-predicted (sdp accumulating, the dynamic pipeline's stage 1, weight
 # gradients kept apart with checkpointing), and plain ones.
 _LAYOUTS = [
-    (1, "zero", 8, None, False),
-    (1, "sdp", 2, None, False),
-    (1, "sdp", 2, None, True),
-    (2, "none", 8, None, False),
-    (2, "none", 8, None, True),
-    (2, "none", 2, "1f1b", True),
-    (2, "none", 2, "gpipe", False),
+    (1, "zero", 8, None, False, 1),
+    (1, "sdp", 2, None, False, 1),
+    (1, "sdp", 2, None, True, 1),
+    (2, "none", 8, None, False, 1),
+    (2, "none", 8, None, True, 1),
+    (2, "none", 2, "1f1b", True, 1),
+    (2, "none", 2, "gpipe", False, 1),
+    (1, "none", 8, None, False, 2),
+    (1, "none", 2, None, True, 2),
 ]
 
 
 @pytest.mark.parametrize("layout", _LAYOUTS, ids=lambda layout: "-".join(map(str, layout)))
 def test_no_rank_holds_more_than_its_ledger(pools, layout):
-    pp, sharding, size, schedule, checkpointing = layout
+    pp, sharding, size, schedule, checkpointing, tp = layout
     x, y = (torch.randint(0, 512, (2, 128)) for _ in range(2))
     plans = smp.plan(
         _gpt4(), (x,), _CLUSTER, 16, num_devices=2, device="cpu",
@@ -158,6 +170,7 @@ def test_no_rank_holds_more_than_its_ledger(pools, layout):
         )
         return (
             c["pipeline_parallel_degree"] == pp
+            and c["tensor_parallel_degree"] == tp
             and shard == sharding
             and p.predicted["microbatch_size"] == size
             and c.get("pipeline_schedule") == schedule
@@ -165,8 +178,8 @@ def test_no_rank_holds_more_than_its_ledger(pools, layout):
         )
 
     chosen = next(p for p in plans if matches(p))
-    batch = 16 // chosen.predicted["data_parallel_degree"]
-    peaks = pools.run(2, _peak_worker, chosen.config, chosen.checkpointing, batch)
+    batch = 16 // chosen.predicted["data_parallel_degree"]  # per replica
+    peaks = pools.run(2, _peak_worker, chosen, batch)
     for rank, peak in enumerate(peaks):
         ledger = chosen.predicted["ledger"][rank]
         predicted = ledger["total"] - ledger["reserved"]  # tensors only: the tracker's view

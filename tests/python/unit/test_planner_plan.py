@@ -54,6 +54,7 @@ def test_the_ledger_follows_the_layout():
     for p in plans:
         c = p.config
         key = (
+            c["tensor_parallel_degree"],
             c["pipeline_parallel_degree"], c.get("shard_optimizer_state", False),
             c.get("sharded_data_parallel_degree", 1), c["microbatches"],
             c.get("pipeline_schedule"), bool(p.checkpointing),
@@ -61,25 +62,30 @@ def test_the_ledger_follows_the_layout():
         by[key] = p.predicted["ledger"]
     params = sum(p.numel() for p in model.parameters())
     # dp 4, replicated: every rank holds every parameter, fp32 Adam (4 + 4 + 8 bytes).
-    whole = by[(1, False, 1, 4, None, False)][0]
+    whole = by[(1, 1, False, 1, 4, None, False)][0]
     assert whole["parameters"] == whole["gradients"] == params * 4
     assert whole["optimizer"] == params * 8
     # ZeRO-1 shards the optimizer state over dp; sdp shards all three.
-    zero = by[(1, True, 1, 4, None, False)][0]
+    zero = by[(1, 1, True, 1, 4, None, False)][0]
     assert zero["optimizer"] == pytest.approx(params * 8 / 4) and zero["parameters"] == params * 4
-    sdp = by[(1, False, 4, 4, None, False)][0]
+    sdp = by[(1, 1, False, 4, 4, None, False)][0]
     assert sdp["parameters"] == pytest.approx(params * 4 / 4)
     # Checkpointing the blocks keeps less per microbatch.
-    assert by[(1, False, 1, 4, None, True)][0]["activations"] < whole["activations"]
+    assert by[(1, 1, False, 1, 4, None, True)][0]["activations"] < whole["activations"]
     # pp 2: the stages split the parameters; GPipe holds every microbatch at once on stage 0,
     # 1F1B at most pp, ZB-H1 too.
-    gpipe = by[(2, False, 1, 8, "gpipe", False)]
-    one_f = by[(2, False, 1, 8, "1f1b", False)]
+    gpipe = by[(1, 2, False, 1, 8, "gpipe", False)]
+    one_f = by[(1, 2, False, 1, 8, "1f1b", False)]
     # Placement "cluster" (D, P, T; T varies fastest): rank 1 is stage 1, rank 2 stage 0 again.
     assert gpipe[0]["in_flight"] == 8 and one_f[0]["in_flight"] == 2 and one_f[1]["in_flight"] == 1
     assert one_f[2] == one_f[0]
     assert gpipe[0]["activations"] == pytest.approx(4 * one_f[0]["activations"])
     assert sum(one_f[r]["parameters"] for r in (0, 1)) == pytest.approx(params * 4)
+    # tp 2 (smp's conversion of the whole model, on a copy): the layers' weights halve, the
+    # layer norms and biases of row-parallel layers stay whole.
+    tp2 = by[(2, 1, False, 1, 4, None, False)]
+    assert 0.5 * params * 4 < tp2[0]["parameters"] < 0.6 * params * 4
+    assert tp2[0] == tp2[1]  # the TP ranks of a replica hold alike
 
 
 def test_every_rejected_layout_names_its_reason():
@@ -88,7 +94,6 @@ def test_every_rejected_layout_names_its_reason():
     tiny["device"] = dict(tiny["device"], memory_bytes=300 * 1024, reserved_bytes=0)
     _, plans = _gpt_plans(cluster=tiny, global_batch=12)
     reasons = [r.reason for r in plans.rejected]
-    assert any(r == "tensor parallelism is not planned yet" for r in reasons)
     assert any("sharded data parallelism under pipeline parallelism" in r for r in reasons)
     assert any(
         r.startswith("does not fit: stage 0's ranks need")

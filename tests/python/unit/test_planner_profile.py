@@ -271,3 +271,36 @@ def test_live_memory_sees_the_peak_torchs_tracker_sees():
     assert live.current_bytes < live.peak_bytes  # what the step made was freed
     live.reset_peak()
     assert live.peak_bytes == live.current_bytes
+
+
+def test_a_tensor_parallel_rank_is_profiled_from_smps_own_conversion():
+    transformers = pytest.importorskip("transformers")
+    from smp.planner.plan import _tensor_parallel
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    before = [(n, p.shape) for n, p in model.named_parameters()]
+    ranked, profile = _tensor_parallel(model, 2, (), kwargs, None, "cpu")
+    whole = profile_model(model, (), kwargs)
+    assert [(n, p.shape) for n, p in model.named_parameters()] == before  # a copy was converted
+    assert ranked is not model
+    # Each layer's projections and the vocabulary-split head halve; the norms stay whole.
+    assert profile.parameter_bytes("model.layers.0") < 0.55 * whole.parameter_bytes(
+        "model.layers.0"
+    )
+    assert profile.parameter_bytes("lm_head") == whole.parameter_bytes("lm_head") / 2
+    # What the layer's primitives move: one all-reduce of the attention's and of the MLP's
+    # output forward (b · s · h fp32), and of their inputs' gradients backward.
+    layer = [
+        c for name, r in profile.modules.items() if name.startswith("model.layers.0")
+        for c in r.collectives
+    ]  # fmt: skip
+    reduced = [nbytes for name, nbytes in layer if name == "reduce_from_region"]
+    assert reduced == [2 * 16 * 64 * 4] * 2
+    assert whole.modules["model.layers.0"].collectives == []
