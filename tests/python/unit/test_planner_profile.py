@@ -5,96 +5,30 @@ arithmetic."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from smp.planner.literature import KORTHIKANTI_FIGURE_1, MegatronLayer, full_scale_memory
 from smp.planner.memory import Ledger, StateBytes, peak_in_flight
 from smp.planner.profile import profile_model
 
-GIB = 1024**3
 
-
-class _Attention(nn.Module):
-    """Megatron's attention as one TP rank of t runs it (eager: QK^T, softmax, dropout, ·V)."""
-
-    def __init__(self, h: int, a: int, t: int = 1):
-        super().__init__()
-        self.heads, self.head_dim = a // t, h // a
-        self.qkv = nn.Linear(h, 3 * h // t)
-        self.proj = nn.Linear(h // t, h)  # row-parallel: its all-reduce saves nothing
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x_SBH):
-        s, b, _ = x_SBH.shape
-        qkv = self.qkv(x_SBH).view(s, b, self.heads, 3 * self.head_dim).permute(1, 2, 0, 3)
-        q, k, v = qkv.chunk(3, dim=-1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
-        probs = self.drop(torch.softmax(scores, dim=-1))
-        out = torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, -1)
-        return self.proj(out)
-
-
-class _GPTLayer(nn.Module):
-    """A GPT-3 layer as Korthikanti et al. count it, for one TP rank of t (no sequence
-    parallelism): layer norms, dropouts and the residual stream replicated, the rest split."""
-
-    def __init__(self, h: int, a: int, t: int = 1):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.attn = _Attention(h, a, t)
-        self.fc1, self.fc2 = nn.Linear(h, 4 * h // t), nn.Linear(4 * h // t, h)
-        self.drop1, self.drop2 = nn.Dropout(0.1), nn.Dropout(0.1)
-
-    def forward(self, x_SBH):
-        x_SBH = x_SBH + self.drop1(self.attn(self.ln1(x_SBH)))
-        return x_SBH + self.drop2(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x_SBH)))))
-
-
-# Korthikanti et al. 2022, Figure 1 (GiB per GPU, tp 8, microbatch 1, s = 2048, 18 bytes per
-# parameter): (layers, hidden, heads, pp, interleaved chunks, parameters + optimizer state,
-# activations without recomputation). 175B and 530B run the interleaved schedule with 3 chunks
-# per rank (the figure's 1 + (p - 1)/(p·v) factor), 1T plain 1F1B.
-_PUBLISHED = {
-    "175B": (96, 12288, 96, 8, 3, 45.56, 66.84),
-    "530B": (105, 20480, 128, 35, 3, 31.64, 114.02),
-    "1T": (128, 25600, 160, 64, 1, 32.96, 131.25),
-}
-
-
-@pytest.mark.parametrize("name", list(_PUBLISHED))
+@pytest.mark.parametrize("name", list(KORTHIKANTI_FIGURE_1))
 def test_the_ledger_of_a_traced_gpt3_layer_matches_the_published_full_scale_memory(name):
-    layers, h, a, p, v, states_gib, activations_gib = _PUBLISHED[name]
+    _, h, a, _, _, _, _ = KORTHIKANTI_FIGURE_1[name]
     s, b, t = 2048, 1, 8
-    with torch.device("meta"):
-        layer = _GPTLayer(h, a, t).half()
-    x = torch.empty(s, b, h, dtype=torch.half, device="meta")
-    trace = profile_model(layer, (x,), device="cuda")  # nothing allocated: a 530B layer here
-    per_layer = trace.activation_bytes()
-    # The formula the paper derives for this layer: sbh(10 + 24/t + 5as/(ht)).
-    assert per_layer == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)), rel=1e-3)
-    # The first rank holds the most: the IR's simulation of its schedule, in chunks of
-    # layers / (p·v) layers each (m = 2p microbatches: enough to reach the steady state).
-    schedule = "interleaved" if v > 1 else "1f1b"
-    in_flight = peak_in_flight(schedule, p, 2 * p, v)[0]
-    layers_per_chunk = layers // (p * v)
-    ledger = Ledger.of(
-        num_parameters=trace.parameter_bytes() / 2 * layers // p,
-        activation_bytes=per_layer * layers_per_chunk,
-        in_flight=in_flight,
-        states=StateBytes(weight=2, gradient=4, optimizer=12),  # Megatron's 18 bytes
-    )
-    assert ledger.activations / GIB == pytest.approx(activations_gib, rel=0.005)
-    states = ledger.parameters + ledger.gradients + ledger.optimizer
-    assert states / GIB == pytest.approx(states_gib, rel=0.005)
+    row = next(r for r in full_scale_memory() if r["model"] == name)
+    # The traced layer is what the paper derives for it: sbh(10 + 24/t + 5as/(ht)).
+    expected = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert row["layer_activation_bytes"] == pytest.approx(expected, rel=1e-3)
+    assert abs(row["activations_error"]) < 0.005 and abs(row["states_error"]) < 0.005
 
 
 def test_cpu_kernels_save_what_they_save_and_the_cuda_rule_what_cuda_saves():
     h, a, s = 64, 4, 32
-    layer = _GPTLayer(h, a)
+    layer = MegatronLayer(h, a)
     x = torch.randn(s, 2, h)
     cpu = profile_model(layer, (x,), device="cpu")
     cuda = profile_model(layer, (x,), device="cuda")
@@ -151,7 +85,7 @@ def test_shared_inputs_and_tied_weights_count_once_and_nothing_is_changed():
 
 def test_the_traced_activations_are_what_torchs_memory_tracker_sees_alive_after_a_real_forward():
     torch.manual_seed(0)
-    model = nn.Sequential(_GPTLayer(64, 4), _GPTLayer(64, 4))
+    model = nn.Sequential(MegatronLayer(64, 4), MegatronLayer(64, 4))
     x = torch.randn(32, 2, 64)  # the input is the caller's, saved by the first layer norm
     trace = profile_model(model, (x,))
     tracker = MemTracker()
@@ -247,7 +181,7 @@ def test_live_memory_sees_the_peak_torchs_tracker_sees():
     from smp.planner.live import LiveMemory
 
     torch.manual_seed(0)
-    model = nn.Sequential(_GPTLayer(64, 4), _GPTLayer(64, 4))
+    model = nn.Sequential(MegatronLayer(64, 4), MegatronLayer(64, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(32, 2, 64)
 
