@@ -116,6 +116,7 @@ def _run(rank: int, name: str, chosen, batch: int, steps: int) -> dict:
         step()
     peaks = [None, None]
     torch.distributed.all_gather_object(peaks, live.peak_bytes)
+    smp.shutdown()
     return {"seconds": statistics.median(times), "peaks": peaks}
 
 
@@ -158,7 +159,12 @@ def runs(limit: int, steps: int) -> list[dict]:
     for name in MODELS:
         for chosen in _candidates(name, cluster, limit // len(MODELS)):
             batch = BATCH // chosen.predicted["data_parallel_degree"]
-            got = run_ranks(_run, 2, name, chosen, batch, steps)
+            try:
+                got = run_ranks(_run, 2, name, chosen, batch, steps)
+            except Exception as exc:  # noqa: BLE001 - reported in the table, the rest go on
+                print(f"  {name:5s} {chosen.summary().split(':')[0]:62s} FAILED: {exc}", flush=True)
+                rows.append({"model": name, "plan": chosen.summary(), "error": str(exc)})
+                continue
             predicted = [
                 ledger["total"] - ledger["reserved"] for ledger in chosen.predicted["ledger"]
             ]
@@ -226,6 +232,10 @@ def main() -> None:
         )
     print(f"2. this machine: {args.runs} layouts at world 2, {args.steps} timed steps each")
     out["runs"] = rows = runs(args.runs, args.steps)
+    failed = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
+    if failed:
+        print(f"  {len(failed)} layouts failed to run")
     errors = sorted(abs(r["time_error"]) for r in rows)
     memory = [e for r in rows for e in r["memory_error"]]
     under = sum(1 for e in memory if e < 0)

@@ -220,6 +220,10 @@ class Cluster:
             the backward) that compute hides, in [0, 1].
         source: where the numbers come from.
         measured: what calibration measured (``this-machine``), for reports.
+        call_overhead_s: the host CPU smp's pipeline runtime spends per call between stages,
+            on each of the two stages, forward and again backward (design.md §4.8: 380-480 us
+            per round trip and rank on the development machine; a GPU node's faster host is
+            assumed at 300 us until measured).
     """
 
     name: str
@@ -231,6 +235,7 @@ class Cluster:
     overlap: float = 0.8
     source: str = ""
     measured: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    call_overhead_s: float = 300e-6
 
     def __post_init__(self):
         if self.num_devices < 1 or self.devices_per_node < 1:
@@ -737,6 +742,7 @@ def calibrate_cluster(
         intra=link,
         inter=link,
         overlap=0.0,  # gloo's reductions take a core the backward would use
+        call_overhead_s=450e-6,  # benchmarks/pipeline.py's round trip, CPU per rank
         source=f"measured by smp.calibrate_cluster() on {socket.gethostname()}",
         measured={},
     )

@@ -92,10 +92,12 @@ class Ledger:
 def peak_in_flight(
     schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1
 ) -> list[int]:
-    """Per rank, the most (stage, microbatch) pairs whose forward has run and whose backward has
-    not, in the schedule IR's simulation of ``schedule`` ("gpipe", "1f1b", "interleaved",
-    "zbh1"): the microbatches of activations a rank holds at once (for "interleaved", in units
-    of one virtual stage's layers).
+    """Per rank, the most (stage, microbatch) pairs whose forward has started and whose backward
+    has not finished, in the schedule IR's simulation of ``schedule`` ("gpipe", "1f1b",
+    "interleaved", "zbh1"): the microbatches of activations a rank holds at once (for
+    "interleaved", in units of one virtual stage's layers). Where the backward is split, a
+    pair is held until its weight half (W) has run: the weight gradients need the inputs the
+    forward saved (ZB-H1 holds more than the IR's F-to-I count).
 
     Example: ``peak_in_flight("interleaved", 8, 16, 3)[0] == 31``: p·v + p - 1 chunks, the
     p·(1 + (p - 1)/(p·v)) stages' worth of Korthikanti et al.
@@ -111,4 +113,26 @@ def peak_in_flight(
                 "'gpipe', '1f1b', 'zbh1' (1 virtual stage) or 'interleaved'"
             )
         program = makers[schedule](num_stages, num_microbatches)
-    return list(S.simulate(program).peak_in_flight)
+    actions = S.simulate(program).actions
+    weighted = {
+        (a.stage, a.microbatch) for a in (S.Action.parse(text) for _, text, _, _ in actions)
+        if a.type == "W"
+    }  # fmt: skip
+    events: list[list[tuple[float, int]]] = [[] for _ in range(len(program))]
+    for rank, text, start, end in actions:
+        action = S.Action.parse(text)
+        key = (action.stage, action.microbatch)
+        if action.type == "F":
+            events[rank].append((start, 1))
+        elif action.type == ("W" if key in weighted else "B") or (
+            action.type == "I" and key not in weighted
+        ):
+            events[rank].append((end, -1))
+    peaks = []
+    for rank_events in events:
+        held = peak = 0
+        for _, change in sorted(rank_events):  # at one instant, a release before a hold
+            held += change
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks

@@ -476,15 +476,19 @@ def _price(
     # Per stage: forward seconds, activation bytes per microbatch, parameters.
     forward, activations, params = [], [], []
     tp = config["tensor_parallel_degree"]
-    tp_backward = []
+    calls = [0.0] * pp  # calls between stages per microbatch that each stage takes part in
+    for link in partition.links if pp > 1 else []:
+        for stage in link.stages:
+            calls[stage] += link.calls
+    backward: list[float] = []
     for stage in range(pp):
         totals = stage_totals[stage]
         comm = totals["collectives"]
-        forward.append(
-            _stage_seconds(device, totals["ops"], scale)
-            + _tp_seconds(cluster, comm, tp, scale, _FORWARD)
-        )
-        tp_backward.append(_tp_seconds(cluster, comm, tp, scale, _BACKWARD))
+        runtime = calls[stage] * cluster.call_overhead_s  # the pipeline runtime's host CPU
+        compute = _stage_seconds(device, totals["ops"], scale)
+        forward.append(compute + _tp_seconds(cluster, comm, tp, scale, _FORWARD) + runtime)
+        # Backward: twice the forward's compute, the TP collectives' backward, the runtime.
+        backward.append(2 * compute + _tp_seconds(cluster, comm, tp, scale, _BACKWARD) + runtime)
         params.append(totals["parameter_bytes"] / element)
         own = [b for b in blocks if partition.assignment.get(b) == stage]
         # Backward's working set, one microbatch at a time: the gradients flowing through a
@@ -497,7 +501,9 @@ def _price(
             # again while it is recomputed (not per microbatch in flight).
             inputs = sum(profile.traces[b].input_bytes for b in own)
             outside = totals["activation_bytes"] - profile.activation_bytes(own)
-            activations.append(((max(outside, 0) + inputs) * scale, (block + margin) * scale))
+            # While a block recomputes: its activations, the gradients flowing through it, and
+            # the next block's input gradient (measured: two blocks' worth ran 2 % short).
+            activations.append(((max(outside, 0) + inputs) * scale, (block + 2 * margin) * scale))
         else:
             activations.append((totals["activation_bytes"] * scale, margin * scale))
     recompute = [0.0] * pp
@@ -516,16 +522,21 @@ def _price(
         for stage in link.stages:
             crossing[stage] += (link.forward_bytes + link.backward_bytes) * scale
     gathered = _gathered_bytes(profile, partition, blocks, pp) if sdp > 1 else [0.0] * pp
-    if sdp > 1 and m > 1:  # gradients accumulate whole over the microbatches, as do the weights
+    if sdp > 1 and m > 1:
+        # Over the microbatches the weights stay whole and the gradients accumulate whole,
+        # next to the reduce-scatter's own whole buffer at the last one.
         gathered = [
-            g + params[st] * (states.weight + states.gradient) for st, g in enumerate(gathered)
+            g + params[st] * (states.weight + 2 * states.gradient) for st, g in enumerate(gathered)
         ]
     ledgers = []
     for stage in range(pp):
         kept, transient = activations[stage]
-        # The pipeline's messages: what a stage received and the copies it sent, per microbatch
-        # in flight; FSDP2's gathered parameters and unreduced gradients.
-        transient += crossing[stage] * in_flight[stage] + gathered[stage]
+        # The pipeline's messages, for every microbatch of the step: a served call's outputs
+        # stay on its stage until the step ends (a later FETCH may read them; measured on an
+        # HF Llama at pp 2: two copies of each microbatch's logits on the last stage), and the
+        # caller keeps copies of what it sent; FSDP2's gathered parameters and unreduced
+        # gradients.
+        transient += 2 * crossing[stage] * m + gathered[stage]
         # Weight gradients computed apart (design.md §4.4; the dynamic policy on stages after
         # the first, ZB-H1 everywhere) keep a recomputed block's activations until they run,
         # for up to min(pp, m) microbatches.
@@ -561,7 +572,7 @@ def _price(
         for stage in range(pp):
             crossing = link_bytes.get((stage, stage + 1), 0.0) * scale
             f = max(forward[stage], 1e-9)
-            b = 2 * forward[stage] + recompute[stage] + tp_backward[stage]
+            b = backward[stage] + recompute[stage]
             costs.append(
                 _C.schedule.ActionCosts(
                     forward=f,
@@ -577,21 +588,25 @@ def _price(
         for rank, action, start, end in simulated.actions:
             pieces[rank].append(TimedAction(action, start, end))
     else:
-        backward = 2 * forward[0] + recompute[0] + tp_backward[0]
-        makespan = m * (forward[0] + backward)
+        whole = backward[0] + recompute[0]
+        makespan = m * (forward[0] + whole)
         pieces = {0: []}
         for mb in range(m):
-            start = mb * (forward[0] + backward)
+            start = mb * (forward[0] + whole)
             pieces[0].append(TimedAction(f"0F{mb}", start, start + forward[0]))
-            pieces[0].append(
-                TimedAction(f"0B{mb}", start + forward[0], start + forward[0] + backward)
-            )
+            pieces[0].append(TimedAction(f"0B{mb}", start + forward[0], start + forward[0] + whole))
     grad_bytes = max(params) * states.gradient
     if sdp > 1:
-        weight_bytes = max(params) * states.weight
-        comm = 2 * cluster.all_gather_time(
-            weight_bytes, sdp, pp * tp
-        ) + cluster.reduce_scatter_time(grad_bytes, sdp, pp * tp)
+        # FSDP2 gathers each unit (the blocks, then the rest) forward and again backward, and
+        # reduce-scatters its gradients, for every microbatch: a latency per unit and step.
+        units = [profile.parameter_bytes(b) for b in blocks] or [sum(params) * element]
+        rest = max(sum(params) * element - sum(units), 0.0)
+        comm = m * sum(
+            2 * cluster.all_gather_time(u / element * states.weight, sdp, pp * tp)
+            + cluster.reduce_scatter_time(u / element * states.gradient, sdp, pp * tp)
+            for u in [*units, rest]
+            if u > 0
+        )
     elif config.get("shard_optimizer_state"):
         comm = cluster.reduce_scatter_time(grad_bytes, dp, pp * tp) + cluster.all_gather_time(
             max(params) * states.weight, dp, pp * tp
