@@ -101,7 +101,32 @@ def peak_in_flight(
 
     Example: ``peak_in_flight("interleaved", 8, 16, 3)[0] == 31``: p·v + p - 1 chunks, the
     p·(1 + (p - 1)/(p·v)) stages' worth of Korthikanti et al.
+
+    Closed forms of the simulation (equal to it for p <= 8, m <= 16: the unit tests), so that a
+    search over thousands of stages and microbatches costs nothing here: 1F1B min(m, p - r) on
+    rank r; GPipe m; ZB-H1 min(p, m) on every rank; interleaved min(m·v, p·v + p - 1 - 2r),
+    or m·v everywhere when m = p.
     """
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    if schedule == "1f1b" and v == 1:
+        return [min(m, p - r) for r in range(p)]
+    if schedule == "gpipe" and v == 1:
+        return [m] * p
+    if schedule == "zbh1" and v == 1:
+        return [min(p, m)] * p
+    if schedule == "interleaved":
+        if m % p:
+            raise ValueError(
+                f"smp: the interleaved schedule needs microbatches ({m}) to be a multiple of the "
+                f"stages ({p})"
+            )
+        return [m * v] * p if m == p else [min(m * v, p * v + p - 1 - 2 * r) for r in range(p)]
+    return _simulated_peaks(schedule, p, m, v)  # raises naming the schedules there are
+
+
+def _simulated_peaks(
+    schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int
+) -> list[int]:
     S = _C.schedule
     if schedule == "interleaved":
         program = S.interleaved_1f1b(num_stages, virtual_stages, num_microbatches)

@@ -394,14 +394,22 @@ def _tensor_parallel(model, tp: int, args, kwargs, run, device) -> tuple[Any, An
     copy = copy_module.deepcopy(model)
     set_tensor_parallelism(copy, True)
     group = _StandIn(tp)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # modules kept whole show in the rank's parameters
-        heads, _ = distribute_lm_head(copy, group)
-        copy, paths = distribute_marked_modules(copy, group)
-    if not heads and not paths:
-        return f"no module of {type(model).__name__} is split by smp's tensor parallelism at {tp}"
-    with local_only(group), streams_without_init():
-        return copy, profile_model(copy, args, kwargs, run=run, device=device)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # modules kept whole show in the rank's parameters
+            heads, _ = distribute_lm_head(copy, group)
+            copy, paths = distribute_marked_modules(copy, group)
+        if not heads and not paths:
+            return (
+                f"no module of {type(model).__name__} is split by smp's tensor parallelism at {tp}"
+            )
+        with local_only(group), streams_without_init():
+            return copy, profile_model(copy, args, kwargs, run=run, device=device)
+    except Exception as exc:  # noqa: BLE001 - this degree is not planned; the others are
+        return (
+            f"tensor parallelism at {tp} could not be profiled: smp's conversion or the "
+            f"converted model's fake forward failed ({type(exc).__name__}: {exc})"
+        )
 
 
 # The collectives a TP primitive issues forward and backward (smp.tp.functional).

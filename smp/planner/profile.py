@@ -72,6 +72,8 @@ class ModelProfile:
     modules: dict[str, ModuleProfile]
     saved: list[tuple[int, frozenset[str]]] = dataclasses.field(default_factory=list)
     traces: dict[str, ModuleTrace] = dataclasses.field(default_factory=dict)
+    # sums already asked for: a search asks for the same blocks' bytes per candidate
+    _sums: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def _within(self, paths: str | Sequence[str]) -> Callable[[str], bool]:
         paths = [paths] if isinstance(paths, str) else list(paths)
@@ -83,6 +85,12 @@ class ModelProfile:
 
     def parameter_bytes(self, paths: str | Sequence[str] = "") -> int:
         """Parameters of the subtrees of ``paths`` (the whole model by default)."""
+        key = ("parameters", paths if isinstance(paths, str) else tuple(paths))
+        if key not in self._sums:
+            self._sums[key] = self._parameter_bytes(paths)
+        return self._sums[key]
+
+    def _parameter_bytes(self, paths: str | Sequence[str]) -> int:
         inside = self._within(paths)
         return sum(r.parameter_bytes for name, r in self.modules.items() if inside(name))
 
@@ -108,6 +116,12 @@ class ModelProfile:
     def activation_bytes(self, paths: str | Sequence[str] = "") -> int:
         """What the subtrees of ``paths`` save for their backward per traced forward: every
         storage one of their modules saved, once (a stage of those modules holds this)."""
+        key = ("activations", paths if isinstance(paths, str) else tuple(paths))
+        if key not in self._sums:
+            self._sums[key] = self._activation_bytes(paths)
+        return self._sums[key]
+
+    def _activation_bytes(self, paths: str | Sequence[str]) -> int:
         inside = self._within(paths)
         return sum(nbytes for nbytes, owners in self.saved if any(map(inside, owners)))
 

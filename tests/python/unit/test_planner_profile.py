@@ -138,6 +138,19 @@ def test_a_meta_hugging_face_llama_traces_without_memory():
     assert trace.modules[""].activation_bytes == pytest.approx(2048 * 32000 * 4, rel=1e-3)
 
 
+def test_peak_in_flight_is_the_schedule_irs_simulation():
+    from smp.planner.memory import _simulated_peaks
+
+    for p in range(1, 9):
+        for m in range(1, 17):
+            for schedule in ("1f1b", "gpipe", "zbh1"):
+                assert peak_in_flight(schedule, p, m) == _simulated_peaks(schedule, p, m, 1)
+            for v in (2, 3):
+                if m % p == 0:
+                    expected = _simulated_peaks("interleaved", p, m, v)
+                    assert peak_in_flight("interleaved", p, m, v) == expected
+
+
 def test_peak_in_flight_comes_from_the_schedule_ir():
     assert peak_in_flight("1f1b", 4, 8) == [4, 3, 2, 1]
     assert peak_in_flight("gpipe", 4, 8) == [8, 8, 8, 8]
