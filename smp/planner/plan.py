@@ -28,6 +28,7 @@ sharded data parallelism under pipeline parallelism (smp refuses it today).
 
 from __future__ import annotations
 
+import contextlib
 import copy as copy_module
 import dataclasses
 import warnings
@@ -395,7 +396,13 @@ def _tensor_parallel(model, tp: int, args, kwargs, run, device) -> tuple[Any, An
     set_tensor_parallelism(copy, True)
     group = _StandIn(tp)
     try:
-        with warnings.catch_warnings():
+        # A meta model's distributed modules are made on the meta device too: their weights
+        # are loaded from its (meta) ones, which have no data to copy to another device.
+        on_meta = any(p.is_meta for p in model.parameters())
+        with (
+            warnings.catch_warnings(),
+            torch.device("meta") if on_meta else contextlib.nullcontext(),
+        ):
             warnings.simplefilter("ignore")  # modules kept whole show in the rank's parameters
             heads, _ = distribute_lm_head(copy, group)
             copy, paths = distribute_marked_modules(copy, group)

@@ -176,3 +176,26 @@ def test_the_command_line_plans_a_hugging_face_config(tmp_path, capsys):
                 "8",
             ]
         )
+
+
+def test_a_meta_model_plans_tensor_parallel_layouts_as_its_real_twin():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+    torch.manual_seed(0)
+    real = transformers.GPT2LMHeadModel(config)
+    with torch.device("meta"):
+        meta = transformers.GPT2LMHeadModel(config)
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    example = {"input_ids": ids, "labels": ids}
+
+    def ledgers(model):
+        plans = plan(model, example, "h100", 8, num_devices=2, max_plans=1000)
+        assert not [r for r in plans.rejected if "could not be profiled" in r.reason]
+        return {
+            json.dumps(p.config, sort_keys=True) + str(p.checkpointing): p.predicted["ledger"]
+            for p in plans
+        }
+
+    got, expected = ledgers(meta), ledgers(real)
+    assert any('"tensor_parallel_degree": 2' in key for key in got)
+    assert got == expected
