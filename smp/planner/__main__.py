@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         num_devices=args.gpus,
         devices_per_node=args.gpus_per_node,
         max_plans=max(args.top, 50),
+        progress=True,
     )
     if args.explain:
         print(plans.explain(args.top))

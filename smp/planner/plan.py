@@ -31,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import copy as copy_module
 import dataclasses
+import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -234,6 +236,7 @@ def plan(
     device: str | None = None,
     run: Callable[..., Any] | None = None,
     profile: ModelProfile | None = None,
+    progress: bool = False,
 ) -> Plans:
     """Plans for training ``model`` on ``cluster`` with ``global_batch`` samples per step, best
     predicted throughput first.
@@ -256,6 +259,8 @@ def plan(
         run: ``run(model, *args, **kwargs)`` returns the loss when the model does not compute
             it itself (its memory and work count on the stages that run it).
         profile: a profile of the model made earlier (``profile_model``) to reuse.
+        progress: print a line to stderr as each profile starts (each takes one fake forward of
+            the whole model: minutes for a 175B model on a CPU).
 
     Returns:
         :class:`Plans`: ``plans[0].config`` is the dict ``smp.init`` takes.
@@ -275,7 +280,19 @@ def plan(
     else:
         args, kwargs = (example_inputs,), {}
     example_batch = _batch_dim(args, kwargs)
+    began = time.perf_counter()
+    degrees = _divisors(target.num_devices)
+
+    def say(what: str) -> None:
+        if progress:
+            print(
+                f"smp.plan: {what} ({time.perf_counter() - began:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
     if profile is None:
+        say(f"profiling {type(model).__name__} (1 of {len(degrees)} profiles)")
         profile = profile_model(model, args, kwargs, run=run, device=device)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     blocks = _repeated_blocks(model)
@@ -284,10 +301,11 @@ def plan(
     plans: list[Plan] = []
     rejected: list[Rejected] = []
     partitions: dict[tuple[int, int], Any] = {}
-    for tp in _divisors(n):
+    for index, tp in enumerate(degrees):
         if tp == 1:
             layout = (model, profile)
         else:
+            say(f"profiling one rank of tensor parallelism at {tp} ({index + 1} of {len(degrees)})")
             layout = _tensor_parallel(model, tp, args, kwargs, run, device)
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
@@ -368,6 +386,7 @@ def plan(
                             else:
                                 plans.append(got)
     plans.sort(key=lambda p: p.predicted["step_time_s"])
+    say(f"{len(plans)} plans fit, {len(rejected)} layouts rejected")
     return Plans(plans[:max_plans], rejected)
 
 

@@ -155,8 +155,11 @@ def test_the_command_line_plans_a_hugging_face_config(tmp_path, capsys):
         ]
     )  # fmt: skip
     assert code == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert printed.startswith("1. pp ") and "candidates rejected" in printed
+    # Progress as each profile starts (one fake forward of the whole model each).
+    assert "smp.plan: profiling one rank of tensor parallelism at 2 (2 of 3)" in captured.err
     data = json.loads(out.read_text())
     assert data["plans"] and data["rejected"]
     assert data["plans"][0]["config"]["bf16"] is True  # --dtype bf16, the default
