@@ -151,7 +151,9 @@ class _Recorder:
 
     def __init__(self, model: nn.Module, exclude: set[StorageWeakRef]):
         self.stack: list[str] = []
-        self.names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        # A module registered under two names (T5's shared embedding) is known by its first,
+        # as named_modules() and the partitioner name it.
+        self.names = {id(m): name for name, m in model.named_modules()}
         self.records: dict[str, ModuleProfile] = {
             name: ModuleProfile() for name, _ in model.named_modules()
         }

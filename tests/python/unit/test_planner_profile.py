@@ -251,3 +251,19 @@ def test_a_tensor_parallel_rank_is_profiled_from_smps_own_conversion():
     reduced = [nbytes for name, nbytes in layer if name == "reduce_from_region"]
     assert reduced == [2 * 16 * 64 * 4] * 2
     assert whole.modules["model.layers.0"].collectives == []
+
+
+def test_a_module_registered_twice_is_known_by_its_first_name():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Linear(8, 8)
+            self.inner = nn.Module()
+            self.inner.alias = self.shared  # one module, two names (as T5's embeddings)
+
+        def forward(self, x):
+            return self.inner.alias(x)
+
+    profile = profile_model(Twice(), (torch.randn(2, 8, requires_grad=True),))
+    assert "inner.alias" not in profile.modules
+    assert profile.modules["shared"].calls == 1 and profile.modules["shared"].ops
