@@ -47,7 +47,7 @@ from smp.memory.activations import set_activation_checkpointing
 from smp.partitioning.plan import build_plan
 from smp.planner.cluster import Cluster, get_cluster
 from smp.planner.memory import Ledger, StateBytes, peak_in_flight
-from smp.planner.profile import ModelProfile, profile_model
+from smp.planner.profile import DTYPE_NAMES, ModelProfile, profile_model
 from smp.tp.functional import local_only
 from smp.tp.lm_head import distribute_lm_head
 from smp.tp.registry import distribute_marked_modules, set_tensor_parallelism
@@ -510,10 +510,13 @@ def _price(
     # Per stage: forward seconds, activation bytes per microbatch, parameters.
     forward, activations, params = [], [], []
     tp = config["tensor_parallel_degree"]
-    calls = [0.0] * pp  # calls between stages per microbatch that each stage takes part in
+    # Per stage and microbatch, the calls between stages it takes part in and the bytes it
+    # sends and receives, both directions.
+    calls, crossing = [0.0] * pp, [0.0] * pp
     for link in partition.links if pp > 1 else []:
         for stage in link.stages:
             calls[stage] += link.calls
+            crossing[stage] += (link.forward_bytes + link.backward_bytes) * scale
     backward: list[float] = []
     for stage in range(pp):
         totals = stage_totals[stage]
@@ -551,10 +554,6 @@ def _price(
         ]
         recompute[stage] += _stage_seconds(device, ops, scale)
     # Memory per rank: rank r is stage (r // tp) % pp (placement "cluster": dp slowest).
-    crossing = [0.0] * pp  # bytes a stage sends and receives per microbatch, both directions
-    for link in partition.links if pp > 1 else []:
-        for stage in link.stages:
-            crossing[stage] += (link.forward_bytes + link.backward_bytes) * scale
     gathered = _gathered_bytes(profile, partition, blocks, pp) if sdp > 1 else [0.0] * pp
     if sdp > 1 and m > 1:
         # Over the microbatches the weights stay whole and the gradients accumulate whole,
@@ -654,7 +653,7 @@ def _price(
     step = makespan + exposed + optimizer
     # Model FLOPs: the whole model's forward matmuls per sample, three times (forward and
     # backward).
-    peak = device.flops_per_second(_dtype_name(dtype)) * cluster.num_devices
+    peak = device.flops_per_second(DTYPE_NAMES.get(dtype, "fp32")) * cluster.num_devices
     mfu = 3 * model_flops_per_sample * global_batch / step / peak
     per_rank = [ledgers[(r // tp) % pp] for r in range(cluster.num_devices)]
     return Plan(
@@ -682,7 +681,3 @@ def _human(num_bytes: float) -> str:
         if num_bytes >= size:
             return f"{num_bytes / size:.2f} {unit}"
     return f"{num_bytes:.0f} B"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

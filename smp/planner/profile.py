@@ -11,27 +11,26 @@ on and the model in training mode, and records per module:
   at the module that saved it first: three projections taking one input share it; a saved view
   keeps its whole base. Parameters and buffers are not activations. This is what the forward
   leaves behind for its backward, per microbatch;
-- ``output_bytes``: its outputs' tensor bytes (what crosses to the next stage when it ends one);
 - ``ops``: each ATen op its own code ran, as (matmul FLOPs, bytes read and written, dtype): what
   the time model prices on a device (smp.planner.plan);
 - ``collectives``: the tensor-parallel primitives its own code ran (a model converted for a TP
   rank and run under ``smp.tp.functional.local_only``), with the bytes each moves;
 
-and, in ``traces``, what smp's partitioner reads (smp.partitioning.trace.recording), so a plan
-is priced on the partition smp will make.
+and, in ``traces``, what smp's partitioner reads (smp.partitioning.trace.recording: calls,
+FLOPs, input and output bytes), so a plan is priced on the partition smp will make.
 
 Why not a formula: the literature's per-layer activation formula (Korthikanti et al. 2022,
 34·sbh + 5·as²b) describes Megatron's layer; a user's module saves what its own code saves (SDPA
 saves no s² terms; SwiGLU saves three ffn-wide tensors; HF's Llama saves its rotary tables), and
 measuring it costs one fake forward. The formula is a check: an eager Megatron-style GPT-3 layer
-traces to it (tests/python/unit/test_planner_memory.py).
+traces to it (smp.planner.literature).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,8 +55,6 @@ class ModuleProfile:
 
     parameter_bytes: int = 0
     activation_bytes: int = 0
-    output_bytes: int = 0
-    calls: int = 0
     ops: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
     # tensor-parallel primitives its own code ran, (name, bytes of the whole buffer)
     collectives: list[tuple[str, int]] = dataclasses.field(default_factory=list)
@@ -83,16 +80,20 @@ class ModelProfile:
         exact = set(paths)
         return lambda name: name in exact or name.startswith(prefixes)
 
-    def parameter_bytes(self, paths: str | Sequence[str] = "") -> int:
-        """Parameters of the subtrees of ``paths`` (the whole model by default)."""
-        key = ("parameters", paths if isinstance(paths, str) else tuple(paths))
+    def _sum(self, kind: str, paths: str | Sequence[str]) -> int:
+        key = (kind, paths if isinstance(paths, str) else tuple(paths))
         if key not in self._sums:
-            self._sums[key] = self._parameter_bytes(paths)
+            inside = self._within(paths)
+            if kind == "parameters":
+                total = sum(r.parameter_bytes for name, r in self.modules.items() if inside(name))
+            else:
+                total = sum(n for n, owners in self.saved if any(map(inside, owners)))
+            self._sums[key] = total
         return self._sums[key]
 
-    def _parameter_bytes(self, paths: str | Sequence[str]) -> int:
-        inside = self._within(paths)
-        return sum(r.parameter_bytes for name, r in self.modules.items() if inside(name))
+    def parameter_bytes(self, paths: str | Sequence[str] = "") -> int:
+        """Parameters of the subtrees of ``paths`` (the whole model by default)."""
+        return self._sum("parameters", paths)
 
     def stage_totals(self, assignment: Mapping[str, int], num_stages: int) -> list[dict[str, Any]]:
         """Per stage of a partition (``assignment``: module path -> stage, as
@@ -116,30 +117,7 @@ class ModelProfile:
     def activation_bytes(self, paths: str | Sequence[str] = "") -> int:
         """What the subtrees of ``paths`` save for their backward per traced forward: every
         storage one of their modules saved, once (a stage of those modules holds this)."""
-        key = ("activations", paths if isinstance(paths, str) else tuple(paths))
-        if key not in self._sums:
-            self._sums[key] = self._activation_bytes(paths)
-        return self._sums[key]
-
-    def _activation_bytes(self, paths: str | Sequence[str]) -> int:
-        inside = self._within(paths)
-        return sum(nbytes for nbytes, owners in self.saved if any(map(inside, owners)))
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from _tensors(getattr(value, f.name))
-    elif hasattr(value, "to_tuple") and callable(value.to_tuple):  # HF ModelOutput
-        yield from _tensors(value.to_tuple())
+        return self._sum("activations", paths)
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -169,13 +147,10 @@ class _Recorder:
             self.handles.append(module.register_forward_hook(self._leave, always_call=True))
 
     def _enter(self, module, args) -> None:
-        name = self.names[id(module)]
-        self.stack.append(name)
-        self.records.setdefault(name, ModuleProfile()).calls += 1
+        self.stack.append(self.names[id(module)])
 
     def _leave(self, module, args, output) -> None:
-        name = self.stack.pop()
-        self.records[name].output_bytes += sum(_bytes(t) for t in _tensors(output))
+        self.stack.pop()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -201,7 +176,8 @@ class _Recorder:
             handle.remove()
 
 
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The dtype names a device's peak FLOP/s are given under (smp.planner.cluster.Device).
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -224,7 +200,7 @@ class _OpCosts(TorchDispatchMode):
         else:
             flops = formula_flops(func, args, kwargs, out) or 0.0  # else priced by its bytes
         tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        dtype = next((_DTYPES[t.dtype] for t in tensors if t.dtype in _DTYPES), "fp32")
+        dtype = next((DTYPE_NAMES[t.dtype] for t in tensors if t.dtype in DTYPE_NAMES), "fp32")
         self.recorder.add_op(flops, sum(_bytes(t) for t in tensors), dtype)
         return out
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import build_model, lm_loss, make_batch
+from models import build_model, gpt_train_step, lm_loss, make_batch
 
 import smp
 
@@ -50,20 +50,19 @@ def _shard(x, y):
     return x.chunk(size)[rank], y.chunk(size)[rank]
 
 
-def _run_worker(chosen):
+def _start(chosen, module):
+    """``module`` trained as ``chosen`` plans: smp initialised with its config, the model
+    prepared by ``apply``, wrapped, with AdamW and the GPT's training step."""
     smp.init(chosen.config)
-    torch.manual_seed(0)
-    module = build_model("gpt")
     chosen.apply(module)  # tensor parallelism and checkpointing as planned
     model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return model, opt, gpt_train_step(smp)
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = lm_loss(model(x), y)
-        model.backward(loss)
-        return loss
 
+def _run_worker(chosen):
+    torch.manual_seed(0)
+    model, opt, train_step = _start(chosen, build_model("gpt"))
     losses = []
     for i in range(2):
         x, y = _shard(*make_batch("gpt", 8, i))
@@ -107,18 +106,9 @@ def _gpt4():
 def _peak_worker(chosen, batch):
     from smp.planner.live import LiveMemory
 
-    smp.init(chosen.config)
     torch.manual_seed(0)
     module = _gpt4()
-    chosen.apply(module)
-    model = smp.DistributedModel(module)
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = lm_loss(model(x), y)
-        model.backward(loss)
-        return loss
+    model, opt, train_step = _start(chosen, module)
 
     g = torch.Generator().manual_seed(smp.rdp_rank())  # each replica its own data
     x, y = (torch.randint(0, 512, (batch, 128), generator=g) for _ in range(2))

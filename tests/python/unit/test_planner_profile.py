@@ -75,8 +75,8 @@ def test_shared_inputs_and_tied_weights_count_once_and_nothing_is_changed():
     assert trace.modules["embed"].activation_bytes == 4 * 8 * 8
     assert trace.parameter_bytes() == (3 * (16 * 16 + 16) + 10 * 16) * 4
     assert trace.modules["head"].parameter_bytes == 0  # tied: counted at the embedding
-    assert trace.modules["head"].output_bytes == 4 * 8 * 10 * 4
-    assert trace.modules["q"].calls == 1
+    assert trace.traces["head"].output_bytes == 4 * 8 * 10 * 4
+    assert trace.traces["q"].calls == 1
     # Not changed: eval mode, parameters, the random stream.
     assert not model.training
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
@@ -266,4 +266,4 @@ def test_a_module_registered_twice_is_known_by_its_first_name():
 
     profile = profile_model(Twice(), (torch.randn(2, 8, requires_grad=True),))
     assert "inner.alias" not in profile.modules
-    assert profile.modules["shared"].calls == 1 and profile.modules["shared"].ops
+    assert profile.traces["shared"].calls == 1 and profile.modules["shared"].ops
