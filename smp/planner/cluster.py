@@ -274,7 +274,10 @@ class Cluster:
         """How many nodes the group of ranks 0, stride, ..., (size - 1) · stride spans (rank r is
         on node r // devices_per_node)."""
         _check_group(size, stride)
-        return len({(i * stride) // self.devices_per_node for i in range(size)})
+        if stride >= self.devices_per_node:  # every step moves to a later node
+            return size
+        # Steps shorter than a node skip none: every node from the first rank's to the last's.
+        return (size - 1) * stride // self.devices_per_node + 1
 
     def group_link(self, size: int, stride: int = 1) -> Link:
         """The link a collective over that group runs at: ``intra`` inside a node; across nodes,

@@ -34,6 +34,7 @@ import dataclasses
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -237,6 +238,7 @@ def plan(
     run: Callable[..., Any] | None = None,
     profile: ModelProfile | None = None,
     progress: bool = False,
+    sample_blocks: bool = True,
 ) -> Plans:
     """Plans for training ``model`` on ``cluster`` with ``global_batch`` samples per step, best
     predicted throughput first.
@@ -259,8 +261,11 @@ def plan(
         run: ``run(model, *args, **kwargs)`` returns the loss when the model does not compute
             it itself (its memory and work count on the stages that run it).
         profile: a profile of the model made earlier (``profile_model``) to reuse.
-        progress: print a line to stderr as each profile starts (each takes one fake forward of
-            the whole model: minutes for a 175B model on a CPU).
+        progress: print a line to stderr as each profile starts and what it traced.
+        sample_blocks: trace a few of the repeated blocks per profile and extend to the rest
+            where their structure shows they repeat and a check trace agrees (Note [Sampled
+            blocks] in smp.planner.profile); False traces every block (one fake forward of the
+            whole model per TP degree: minutes for a 175B model on a CPU).
 
     Returns:
         :class:`Plans`: ``plans[0].config`` is the dict ``smp.init`` takes.
@@ -293,7 +298,9 @@ def plan(
 
     if profile is None:
         say(f"profiling {type(model).__name__} (1 of {len(degrees)} profiles)")
-        profile = profile_model(model, args, kwargs, run=run, device=device)
+        profile = profile_model(model, args, kwargs, run=run, device=device, sample=sample_blocks)
+        if profile.sampled:
+            say(profile.sampled)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     blocks = _repeated_blocks(model)
     flops_per_sample = sum(f for r in profile.modules.values() for f, _, _ in r.ops) / example_batch
@@ -301,12 +308,15 @@ def plan(
     plans: list[Plan] = []
     rejected: list[Rejected] = []
     partitions: dict[tuple[int, int], Any] = {}
+    cache: dict = {}  # device seconds of op tables (_seconds)
     for index, tp in enumerate(degrees):
         if tp == 1:
             layout = (model, profile)
         else:
             say(f"profiling one rank of tensor parallelism at {tp} ({index + 1} of {len(degrees)})")
-            layout = _tensor_parallel(model, tp, args, kwargs, run, device)
+            layout = _tensor_parallel(model, tp, args, kwargs, run, device, sample_blocks)
+            if not isinstance(layout, str) and layout[1].sampled:
+                say(layout[1].sampled)
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
             base = {
@@ -338,7 +348,7 @@ def plan(
             if isinstance(partition, Exception):
                 rejected.append(Rejected(base, f"cannot partition into {pp} stages: {partition}"))
                 continue
-            stage_totals = ranked.stage_totals(partition.assignment, pp)
+            stage_totals = _stage_facts(ranked, partition, blocks, pp)
             per_replica = global_batch // dp
             sizes = microbatch_sizes or [s for s in _divisors(per_replica) if s & (s - 1) == 0]
             for mbs in sizes:
@@ -379,7 +389,7 @@ def plan(
                                 ranked, target, partition, stage_totals, cfg, dtype,
                                 mbs / example_batch, mbs, m, dp, pp,
                                 _SCHEDULES[(pipeline, schedule)],
-                                blocks, checkpointed, global_batch, flops_per_sample,
+                                blocks, checkpointed, global_batch, flops_per_sample, cache,
                             )  # fmt: skip
                             if isinstance(got, Rejected):
                                 rejected.append(got)
@@ -406,7 +416,9 @@ class _StandIn:
         return 0
 
 
-def _tensor_parallel(model, tp: int, args, kwargs, run, device) -> tuple[Any, Any] | str:
+def _tensor_parallel(
+    model, tp: int, args, kwargs, run, device, sample: bool = False
+) -> tuple[Any, Any] | str:
     """The model as rank 0 of a TP group of ``tp`` holds it (whole-model marking, as
     ``smp.tensor_parallelism()``: smp's own conversion, on a copy), and its profile run as
     that rank runs it (``local_only``: primitives keep their shapes and report their bytes);
@@ -430,7 +442,7 @@ def _tensor_parallel(model, tp: int, args, kwargs, run, device) -> tuple[Any, An
                 f"no module of {type(model).__name__} is split by smp's tensor parallelism at {tp}"
             )
         with local_only(group), streams_without_init():
-            return copy, profile_model(copy, args, kwargs, run=run, device=device)
+            return copy, profile_model(copy, args, kwargs, run=run, device=device, sample=sample)
     except Exception as exc:  # noqa: BLE001 - this degree is not planned; the others are
         return (
             f"tensor parallelism at {tp} could not be profiled: smp's conversion or the "
@@ -445,38 +457,62 @@ _BACKWARD = {"copy_to_region": "all_reduce", "scatter_to_region": "all_gather",
              "reduce_scatter": "all_gather", "all_gather": "reduce_scatter"}  # fmt: skip
 
 
-def _tp_seconds(cluster, collectives, tp: int, scale: float, table) -> float:
-    cost = {
-        "all_reduce": cluster.all_reduce_time,
-        "all_gather": cluster.all_gather_time,
-        "reduce_scatter": cluster.reduce_scatter_time,
-    }
-    return sum(
-        cost[table[name]](nbytes * scale, tp, 1) for name, nbytes in collectives if name in table
-    )
-
-
-def _gathered_bytes(profile, partition, blocks, pp: int) -> list[float]:
-    """Per stage, what FSDP2 holds whole beyond the shards (smp.dp.sharded: the blocks are units,
-    the rest of the model one more, resharded after forward): the root unit's parameters for the
-    whole step with their gradients before the reduce-scatter, and two blocks' parameters (the
-    one running and the one prefetched) with one block's gradients."""
-    out = []
-    for stage in range(pp):
-        own = [b for b in blocks if partition.assignment.get(b) == stage]
-        block = max((profile.parameter_bytes(b) for b in own), default=0)
-        on_stage = sum(
-            r.parameter_bytes
-            for name, r in profile.modules.items()
-            if partition.assignment.get(name, 0) == stage
+def _tp_seconds(cluster, collectives: Counter, tp: int, scale: float, table, cache) -> float:
+    """The TP collectives' time (``collectives``: (primitive, bytes) with their counts) in the
+    direction ``table`` maps (_FORWARD or _BACKWARD), cached as :func:`_seconds`."""
+    key = (id(collectives), scale, id(table))
+    if key not in cache:
+        cost = {
+            "all_reduce": cluster.all_reduce_time,
+            "all_gather": cluster.all_gather_time,
+            "reduce_scatter": cluster.reduce_scatter_time,
+        }
+        seconds = sum(
+            count * cost[table[name]](nbytes * scale, tp, 1)
+            for (name, nbytes), count in collectives.items()
+            if name in table
         )
+        cache[key] = (collectives, seconds)
+    return cache[key][1]
+
+
+def _stage_facts(profile: ModelProfile, partition, blocks: list[str], pp: int) -> list[dict]:
+    """Per stage of a partition, what every candidate on it reads: ``ModelProfile.stage_totals``
+    and of the repeated blocks it holds, ``blocks`` (their paths), ``block_activation`` (the
+    largest one's saved bytes), ``blocks_activation`` and ``blocks_input`` (all of theirs),
+    ``recompute_ops`` (their ops, run again when checkpointed) and ``gathered`` (what FSDP2
+    holds whole beyond the shards, smp.dp.sharded: the blocks are units, the rest of the model
+    one more, resharded after forward; the root unit's parameters for the whole step with their
+    gradients before the reduce-scatter, and two blocks' parameters, the one running and the
+    one prefetched, with one block's gradients)."""
+    totals = profile.stage_totals(partition.assignment, pp)
+    for stage, facts in enumerate(totals):
+        own = [b for b in blocks if partition.assignment.get(b) == stage]
+        facts["blocks"] = own
+        facts["block_activation"] = max((profile.activation_bytes(b) for b in own), default=0)
+        facts["blocks_activation"] = profile.activation_bytes(own) if own else 0
+        facts["blocks_input"] = sum(profile.traces[b].input_bytes for b in own)
+        facts["recompute_ops"] = sum((profile.ops(b) for b in own), Counter())
+        block = max((profile.parameter_bytes(b) for b in own), default=0)
+        on_stage = facts["parameter_bytes"]
         root = on_stage - profile.parameter_bytes(own) if own else on_stage
-        out.append(float(2 * root + 3 * block))
-    return out
+        facts["gathered"] = float(2 * root + 3 * block)
+    return totals
 
 
-def _stage_seconds(device, ops: Sequence[tuple[float, int, str]], scale: float) -> float:
-    return sum(device.op_time(flops * scale, nbytes * scale, dtype) for flops, nbytes, dtype in ops)
+def _seconds(device, ops: Counter, scale: float, cache: dict) -> float:
+    """The device's time for ``ops`` (each distinct op with its count) at ``scale`` times the
+    traced batch. A search prices the same tables at the same scales for many candidates (the
+    sharding, schedule and checkpointing choices share a stage's compute): ``cache`` keeps
+    them by the table's identity, with the table (so its identity is not reused)."""
+    key = (id(ops), scale)
+    if key not in cache:
+        seconds = sum(
+            count * device.op_time(flops * scale, nbytes * scale, dtype)
+            for (flops, nbytes, dtype), count in ops.items()
+        )
+        cache[key] = (ops, seconds)
+    return cache[key][1]
 
 
 def _price(
@@ -496,6 +532,7 @@ def _price(
     checkpointed: bool,
     global_batch: int,
     model_flops_per_sample: float,
+    cache: dict,
 ) -> Plan | Rejected:
     device = cluster.device
     element = torch.finfo(dtype).bits // 8
@@ -522,39 +559,34 @@ def _price(
         totals = stage_totals[stage]
         comm = totals["collectives"]
         runtime = calls[stage] * cluster.call_overhead_s  # the pipeline runtime's host CPU
-        compute = _stage_seconds(device, totals["ops"], scale)
-        forward.append(compute + _tp_seconds(cluster, comm, tp, scale, _FORWARD) + runtime)
+        compute = _seconds(device, totals["ops"], scale, cache)
+        forward.append(compute + _tp_seconds(cluster, comm, tp, scale, _FORWARD, cache) + runtime)
         # Backward: twice the forward's compute, the TP collectives' backward, the runtime.
-        backward.append(2 * compute + _tp_seconds(cluster, comm, tp, scale, _BACKWARD) + runtime)
+        backward.append(
+            2 * compute + _tp_seconds(cluster, comm, tp, scale, _BACKWARD, cache) + runtime
+        )
         params.append(totals["parameter_bytes"] / element)
-        own = [b for b in blocks if partition.assignment.get(b) == stage]
+        own = totals["blocks"]
         # Backward's working set, one microbatch at a time: the gradients flowing through a
         # block and the ones it makes are at most its saved activations again; a margin until
         # it is measured (design.md §13.3). Without blocks here: the stage's whole microbatch.
-        block = max((profile.activation_bytes(b) for b in own), default=0)
+        block = totals["block_activation"]
         margin = block if own else totals["activation_bytes"]
         if checkpointed and own:
             # A checkpointed block keeps its inputs; one block at a time holds its activations
             # again while it is recomputed (not per microbatch in flight).
-            inputs = sum(profile.traces[b].input_bytes for b in own)
-            outside = totals["activation_bytes"] - profile.activation_bytes(own)
+            inputs = totals["blocks_input"]
+            outside = totals["activation_bytes"] - totals["blocks_activation"]
             # While a block recomputes: its activations, the gradients flowing through it, and
             # the next block's input gradient (measured: two blocks' worth ran 2 % short).
             activations.append(((max(outside, 0) + inputs) * scale, (block + 2 * margin) * scale))
         else:
             activations.append((totals["activation_bytes"] * scale, margin * scale))
-    recompute = [0.0] * pp
-    for b in blocks if checkpointed else []:
-        stage = partition.assignment.get(b, 0)
-        ops = [
-            op
-            for name, r in profile.modules.items()
-            if name == b or name.startswith(f"{b}.")
-            for op in r.ops
-        ]
-        recompute[stage] += _stage_seconds(device, ops, scale)
-    # Memory per rank: rank r is stage (r // tp) % pp (placement "cluster": dp slowest).
-    gathered = _gathered_bytes(profile, partition, blocks, pp) if sdp > 1 else [0.0] * pp
+    recompute = [
+        _seconds(device, totals["recompute_ops"], scale, cache) if checkpointed else 0.0
+        for totals in stage_totals
+    ]
+    gathered = [t["gathered"] if sdp > 1 else 0.0 for t in stage_totals]
     if sdp > 1 and m > 1:
         # Over the microbatches the weights stay whole and the gradients accumulate whole,
         # next to the reduce-scatter's own whole buffer at the last one.
@@ -575,8 +607,7 @@ def _price(
         # for up to min(pp, m) microbatches.
         split = schedule == "zbh1" or (config["pipeline"] != "static" and stage > 0)
         if checkpointed and pp > 1 and split:
-            own = [b for b in blocks if partition.assignment.get(b) == stage]
-            transient += profile.activation_bytes(own) * scale * min(pp, m) if own else 0.0
+            transient += stage_totals[stage]["blocks_activation"] * scale * min(pp, m)
         ledgers.append(
             Ledger.of(
                 num_parameters=params[stage],
@@ -655,7 +686,9 @@ def _price(
     # backward).
     peak = device.flops_per_second(DTYPE_NAMES.get(dtype, "fp32")) * cluster.num_devices
     mfu = 3 * model_flops_per_sample * global_batch / step / peak
-    per_rank = [ledgers[(r // tp) % pp] for r in range(cluster.num_devices)]
+    # Rank r is stage (r // tp) % pp; the ranks of a stage share its ledger's dict.
+    stage_ledgers = [ledger.as_dict() for ledger in ledgers]
+    per_rank = [(r // tp) % pp for r in range(cluster.num_devices)]
     return Plan(
         config=config,
         checkpointing=list(blocks) if checkpointed else [],
@@ -663,8 +696,8 @@ def _price(
             "step_time_s": step,
             "samples_per_s": global_batch / step,
             "mfu": mfu,
-            "memory_bytes": [ledger.total for ledger in per_rank],
-            "ledger": [ledger.as_dict() for ledger in per_rank],
+            "memory_bytes": [ledgers[stage].total for stage in per_rank],
+            "ledger": [stage_ledgers[stage] for stage in per_rank],
             "data_parallel_degree": dp,
             "microbatch_size": mbs,
             "pipeline_seconds": makespan,

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -69,6 +71,8 @@ class ModelProfile:
     modules: dict[str, ModuleProfile]
     saved: list[tuple[int, frozenset[str]]] = dataclasses.field(default_factory=list)
     traces: dict[str, ModuleTrace] = dataclasses.field(default_factory=dict)
+    # How the repeated blocks were traced (Note [Sampled blocks]): "" when all were.
+    sampled: str = dataclasses.field(default="", compare=False)
     # sums already asked for: a search asks for the same blocks' bytes per candidate
     _sums: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -99,20 +103,36 @@ class ModelProfile:
         """Per stage of a partition (``assignment``: module path -> stage, as
         ``PartitionPlan.assignment``), what its modules' own code holds and runs: parameter
         bytes, saved activation bytes (a storage saved on several stages counts on each), their
-        ops and their tensor-parallel collectives."""
+        ops (a ``Counter``: each distinct op and how often it runs; repeated blocks run the
+        same ops) and their tensor-parallel collectives (a ``Counter`` too)."""
         totals = [
-            {"parameter_bytes": 0, "activation_bytes": 0, "ops": [], "collectives": []}
+            {
+                "parameter_bytes": 0,
+                "activation_bytes": 0,
+                "ops": Counter(),
+                "collectives": Counter(),
+            }
             for _ in range(num_stages)
         ]
         for name, record in self.modules.items():
             stage = assignment.get(name, 0)
             totals[stage]["parameter_bytes"] += record.parameter_bytes
-            totals[stage]["ops"].extend(record.ops)
-            totals[stage]["collectives"].extend(record.collectives)
+            totals[stage]["ops"].update(record.ops)
+            totals[stage]["collectives"].update(record.collectives)
         for nbytes, owners in self.saved:
             for stage in {assignment.get(owner, 0) for owner in owners}:
                 totals[stage]["activation_bytes"] += nbytes
         return totals
+
+    def ops(self, paths: str | Sequence[str] = "") -> Counter:
+        """The ops the subtrees of ``paths`` run, each distinct one with its count."""
+        key = ("ops", paths if isinstance(paths, str) else tuple(paths))
+        if key not in self._sums:
+            inside = self._within(paths)
+            self._sums[key] = Counter(
+                op for name, r in self.modules.items() if inside(name) for op in r.ops
+            )
+        return self._sums[key]
 
     def activation_bytes(self, paths: str | Sequence[str] = "") -> int:
         """What the subtrees of ``paths`` save for their backward per traced forward: every
@@ -282,6 +302,7 @@ def profile_model(
     *,
     run: Callable[..., Any] | None = None,
     device: str = "cpu",
+    sample: bool = False,
 ) -> ModelProfile:
     """Traces one training forward of ``model(*args, **kwargs)`` under fake tensors and returns
     each module's own parameters, saved activations, outputs and ops (module docstring).
@@ -291,7 +312,9 @@ def profile_model(
     (``torch.func.functional_call``), the training mode is put back, and the random generator's
     state is restored. ``run(model, *args, **kwargs)``, when given, is called instead of the
     model, for a loss computed outside it. ``device``: the kernels whose saved tensors count,
-    "cpu" or "cuda" (Note [Kernels of the target device]).
+    "cpu" or "cuda" (Note [Kernels of the target device]). ``sample``: trace a few of the
+    largest ``nn.ModuleList``'s blocks and extend to the rest where the evidence allows (Note
+    [Sampled blocks]; ``profile.sampled`` says what was traced), else trace every block.
 
     Raises:
         ValueError: an unknown ``device``.
@@ -300,7 +323,90 @@ def profile_model(
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"smp: profile_model's device is 'cpu' or 'cuda', not {device!r}")
-    kwargs = dict(kwargs or {})
+
+    def trace() -> ModelProfile:
+        return _trace(model, args, dict(kwargs or {}), run, device)
+
+    if not sample:
+        return trace()
+    found = _largest_list(model)
+    why = "no nn.ModuleList of 8 or more blocks"
+    if found is not None:
+        prefix, blocks = found
+        why = _sampled(model, prefix, blocks, trace)
+        if isinstance(why, ModelProfile):
+            return why
+    profile = trace()
+    profile.sampled = f"every block traced: {why}"
+    return profile
+
+
+def _largest_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The model's largest ``nn.ModuleList`` (its blocks), if it has 8 or more entries."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > (len(best[1]) if best else 7):
+            best = (path, module)
+    return best
+
+
+def _sampled(
+    model: nn.Module, prefix: str, blocks: nn.ModuleList, trace: Callable[[], ModelProfile]
+) -> ModelProfile | str:
+    """The profile from a few of ``blocks`` traced (Note [Sampled blocks]), or why not."""
+    n = len(blocks)
+    where = prefix or "the model"
+    if len({id(b) for b in blocks}) != n:
+        return f"{where} holds one module more than once"
+    found = _periodic(_signatures(list(blocks)))
+    if found is None:
+        return f"the blocks of {where} do not repeat with a period of 4 or less"
+    start, period = found
+    fewer, more = start + 3 * period, start + 4 * period
+    with _cut(blocks, fewer):
+        small = trace()
+    with _cut(blocks, more):
+        large = trace()
+        traced_names = [name for name, _ in model.named_modules()]
+    check = _extend(small, traced_names, prefix, fewer, more, period)
+    if not _same(check, large):
+        return (
+            f"the profile of {fewer} blocks of {where}, extended by one period, differs from "
+            f"the trace of {more}"
+        )
+    names = [name for name, _ in model.named_modules()]
+    profile = _extend(large, names, prefix, more, n, period)
+    for record in profile.modules.values():
+        record.parameter_bytes = 0
+    _count_parameters(model, profile.modules)
+    profile.sampled = f"{more} of {n} blocks of {where} traced (period {period} from block {start})"
+    return profile
+
+
+def _same(a: ModelProfile, b: ModelProfile) -> bool:
+    """The same records, saved storages and traces (less the traces' wall times)."""
+
+    def untimed(traces: Mapping[str, ModuleTrace]) -> dict[str, ModuleTrace]:
+        return {name: dataclasses.replace(t, seconds=0.0) for name, t in traces.items()}
+
+    return (
+        a.modules == b.modules
+        and Counter(a.saved) == Counter(b.saved)
+        and untimed(a.traces) == untimed(b.traces)
+    )
+
+
+def _count_parameters(model: nn.Module, records: Mapping[str, ModuleProfile]) -> None:
+    """Adds each parameter's bytes to the first module that registers it."""
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                records[name].parameter_bytes += _bytes(p)
+
+
+def _trace(model, args, kwargs, run, device) -> ModelProfile:
     # Real tensors a ``run`` closes over (targets, masks) become fake as they are used.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
@@ -337,12 +443,7 @@ def profile_model(
         recorder.remove()
         model.train(was_training)
         torch.random.set_rng_state(rng)
-    seen: set[int] = set()
-    for name, module in model.named_modules():
-        for p in module.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                recorder.records[name].parameter_bytes += _bytes(p)
+    _count_parameters(model, recorder.records)
     saved = [(nbytes, frozenset(owners)) for nbytes, owners in recorder.saved.values()]
     recorder.alive.clear()
     return ModelProfile(recorder.records, saved, traces)
@@ -360,3 +461,222 @@ class _Run(nn.Module):
         if self.run is None:
             return self.model(*args, **kwargs)
         return self.run(self.model, *args, **kwargs)
+
+
+# ---- repeated blocks: trace a few, extend to all ------------------------------------------------
+
+# Note [Sampled blocks]
+# ~~~~~~~~~~~~~~~~~~~~
+# A transformer's blocks run the same code on the same shapes: tracing 96 of them costs 96 times
+# one, and a search traces the model once per TP degree. ``profile_model(sample=True)`` traces the
+# model with its largest ``nn.ModuleList`` cut to its first blocks and extends the profile to the
+# whole list. It does so only on evidence:
+# - the blocks' signatures (their submodules' types, parameter and buffer shapes, dtypes and
+#   public attributes of plain values, less one that holds each block's own index, HF's
+#   ``layer_idx``) are periodic from some start s with some period p (one or more distinct
+#   leading blocks, alternating local and global attention, ...): blocks s + kp + i share a
+#   signature for every k;
+# - the list holds distinct module objects, and N - s is a whole number of periods;
+# - the extension rule reproduces a real trace: the profile of s + 3p blocks, extended by one
+#   period, equals the profile traced with s + 4p blocks exactly (every module's ops, saved
+#   storages and their owners, the partitioner's traces). Only then is the s + 4p profile
+#   extended to N.
+# The rule: a block past the trace is its period's last traced twin (its records, its saved
+# storages, its traces, renamed, calls renumbered); a storage saved only by the last two traced
+# periods (a tensor passed between blocks) repeats with its owners shifted; one saved by blocks
+# of every period (a mask, a position bias) gains the new blocks as owners; one saved by the last
+# period and modules after the list (the final norm's input) moves to the list's new end.
+# What none of this sees is code outside the blocks that treats block i differently from its twin
+# (``if i == 50``); ``sample=False`` traces every block.
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _plain(value: Any) -> Any:
+    """A comparable form of an attribute's value: plain values as they are, containers of them
+    and ``functools.partial`` by content, anything else by identity (shared by every block, as
+    a config is, or not)."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_plain(v) for v in value))
+    if isinstance(value, Mapping):
+        return ("map", tuple((k, _plain(v)) for k, v in value.items()))
+    if isinstance(value, functools.partial):  # HF's activations: partial(gelu, approximate=)
+        return ("partial", id(value.func), _plain(value.args), _plain(value.keywords))
+    return ("object", id(value))
+
+
+def _signatures(blocks: Sequence[nn.Module]) -> list[tuple]:
+    """Each block's signature: per submodule its type, public plain attributes (less those that
+    hold the block's own index in every block, HF's ``layer_idx``), parameters and buffers."""
+    raw = []
+    for block in blocks:
+        parts = []
+        for name, module in block.named_modules():
+            attrs = {key: value for key, value in vars(module).items() if not key.startswith("_")}
+            tensors = tuple(
+                (kind, key, tuple(t.shape), t.dtype, t.requires_grad)
+                for kind, items in (("p", module._parameters), ("b", module._buffers))
+                for key, t in items.items()
+                if t is not None
+            )
+            parts.append((name, type(module).__qualname__, attrs, tensors))
+        raw.append(parts)
+    counted = [
+        {
+            (name, key)
+            for name, _, attrs, _ in parts
+            for key, v in attrs.items()
+            if type(v) is int and v == i
+        }
+        for i, parts in enumerate(raw)
+    ]
+    index_keys = set.intersection(*counted) if counted else set()
+    return [
+        tuple(
+            (
+                name,
+                kind,
+                tuple(
+                    (key, _plain(value))
+                    for key, value in sorted(attrs.items())
+                    if (name, key) not in index_keys
+                ),
+                tensors,
+            )
+            for name, kind, attrs, tensors in parts
+        )
+        for parts in raw
+    ]
+
+
+def _periodic(signatures: Sequence[tuple]) -> tuple[int, int] | None:
+    """(s, p): the smallest start and period from which the blocks' signatures repeat, with
+    s + 4p blocks worth tracing (half the list at most) and N - s whole periods; else None."""
+    n = len(signatures)
+    for period in range(1, 5):
+        for start in range(0, n):
+            if start + 4 * period > n // 2:
+                break
+            if (n - start) % period == 0 and all(
+                signatures[i] == signatures[i + period] for i in range(start, n - period)
+            ):
+                return start, period
+    return None
+
+
+@contextlib.contextmanager
+def _cut(blocks: nn.ModuleList, keep: int):
+    """The list with its first ``keep`` entries only, for the duration."""
+    whole = blocks._modules
+    blocks._modules = dict(list(whole.items())[:keep])
+    try:
+        yield
+    finally:
+        blocks._modules = whole
+
+
+class _Blocks:
+    """Paths inside the list ``prefix`` (entries 0..N-1): which block, and renamed."""
+
+    def __init__(self, prefix: str):
+        self.prefix = f"{prefix}." if prefix else ""
+
+    def index(self, path: str | None) -> int | None:
+        if path is None or not path.startswith(self.prefix):
+            return None
+        head = path[len(self.prefix) :].split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    def shift(self, path: str | None, by: int) -> str | None:
+        index = self.index(path)
+        if index is None or by == 0:
+            return path
+        rest = path[len(self.prefix) + len(str(index)) :]
+        return f"{self.prefix}{index + by}{rest}"
+
+
+def _extend(
+    profile: ModelProfile, names: Sequence[str], prefix: str, traced: int, total: int, period: int
+) -> ModelProfile:
+    """``profile`` (traced with the list at ``prefix`` cut to ``traced`` blocks) extended to
+    ``total`` blocks by Note [Sampled blocks]'s rule; ``names``: the extended model's module
+    paths in ``named_modules`` order."""
+    blocks = _Blocks(prefix)
+    extra = (total - traced) // period
+    last = range(traced - period, traced)  # the last traced period
+    earlier = traced - 2 * period  # before the last two periods
+
+    def twin(index: int) -> tuple[int, int]:  # (traced twin, periods later)
+        k = (index - last.start) // period
+        return index - k * period, k
+
+    records: dict[str, ModuleProfile] = {}
+    for name in names:
+        index = blocks.index(name)
+        if index is not None and index >= traced:
+            origin, _ = twin(index)
+            records[name] = dataclasses.replace(profile.modules[blocks.shift(name, origin - index)])
+        else:
+            records[name] = dataclasses.replace(profile.modules[name])
+        records[name].ops = list(records[name].ops)
+        records[name].collectives = list(records[name].collectives)
+
+    saved: list[tuple[int, frozenset[str]]] = []
+    for nbytes, owners in profile.saved:
+        indices = {blocks.index(o) for o in owners} - {None}
+        outside = any(blocks.index(o) is None for o in owners)
+        if not indices & set(last):
+            saved.append((nbytes, owners))
+        elif min(indices) < earlier:
+            # Saved by blocks of every period (a mask): the new blocks save it too.
+            grown = set(owners)
+            for k in range(1, extra + 1):
+                grown |= {blocks.shift(o, k * period) for o in owners if blocks.index(o) in last}
+            saved.append((nbytes, frozenset(grown)))
+        elif not outside:
+            # Between the last two periods' blocks only: each later period has its own.
+            for k in range(extra + 1):
+                saved.append((nbytes, frozenset(blocks.shift(o, k * period) for o in owners)))
+        else:
+            # The last period's and modules' after the list (the final norm's input): at the
+            # list's new end.
+            saved.append((nbytes, frozenset(blocks.shift(o, extra * period) for o in owners)))
+
+    traces: dict[str, ModuleTrace] = {}
+    firsts = [
+        profile.traces[n].first_call
+        for n in profile.traces
+        if blocks.index(n) in last and profile.traces[n].first_call is not None
+    ]
+    previous = [
+        profile.traces[n].first_call
+        for n in profile.traces
+        if blocks.index(n) in range(last.start - period, last.start)
+        and profile.traces[n].first_call is not None
+    ]
+    step = min(firsts) - min(previous)  # module calls per period
+    after = max(firsts)
+
+    def renamed(trace: ModuleTrace, by: int, calls_later: int) -> ModuleTrace:
+        out = dataclasses.replace(
+            trace,
+            callers={blocks.shift(c, by): dataclasses.replace(t) for c, t in trace.callers.items()},
+        )
+        if out.first_call is not None:
+            out.first_call += calls_later
+        return out
+
+    for name in names:
+        index = blocks.index(name)
+        if index is not None and index >= traced:
+            origin, k = twin(index)
+            source = blocks.shift(name, origin - index)
+            if source in profile.traces:
+                traces[name] = renamed(profile.traces[source], index - origin, k * step)
+        elif name in profile.traces:
+            trace = profile.traces[name]
+            later = trace.first_call is not None and trace.first_call > after and index is None
+            traces[name] = renamed(trace, 0, extra * step if later else 0)
+    return ModelProfile(records, saved, traces)

@@ -102,13 +102,22 @@ def local_only(group: Any = None) -> Iterator[None]:
 def _local_chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``local_only``: this rank's chunk of ``x`` along ``dim``, as a scatter would give it."""
     g = tp_group(group)
-    return x.chunk(g.size(), dim)[g.rank()] if g.size() > 1 else x
+    if g.size() == 1:
+        return x
+    # chunk()'s piece, without making the other g.size() - 1 views
+    step = -(-x.shape[dim] // g.size())
+    start = min(step * g.rank(), x.shape[dim])
+    return x.narrow(dim, start, min(step, x.shape[dim] - start))
 
 
 def _local_repeat(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``local_only``: ``x`` repeated along ``dim`` to the shape a gather would give."""
     g = tp_group(group)
-    return torch.cat([x] * g.size(), dim) if g.size() > 1 else x
+    if g.size() == 1:
+        return x
+    times = [1] * x.dim()
+    times[dim] = g.size()
+    return x.repeat(times)  # torch.cat([x] * size, dim), one op however large the group
 
 
 def tp_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:

@@ -3,6 +3,7 @@ collective costs, profiles as files, and the calibration of this machine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -97,6 +98,16 @@ def test_groups_inside_a_node_use_its_link_and_groups_across_nodes_share_the_net
     # Never faster than the node's own link.
     assert c.group_link(32, 1).bandwidth == 10e9 * 8 == 80e9
     assert _cluster(inter=Link(20e-6, 100e9)).group_link(32, 1).bandwidth == 200e9
+
+
+def test_a_groups_node_count_is_the_nodes_its_ranks_sit_on():
+    for per_node in (1, 3, 8):
+        c = dataclasses.replace(_cluster(), num_devices=96, devices_per_node=per_node)
+        for size in (1, 2, 3, 4, 6, 12, 16):
+            for stride in (1, 2, 3, 4, 5, 8, 12):
+                if size * stride <= 96:
+                    nodes = {(i * stride) // per_node for i in range(size)}
+                    assert c.group_nodes(size, stride) == len(nodes), (per_node, size, stride)
 
 
 def test_collectives_cost_what_ring_and_tree_cost_over_the_group_link():

@@ -12,7 +12,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from smp.planner.literature import KORTHIKANTI_FIGURE_1, MegatronLayer, full_scale_memory
 from smp.planner.memory import Ledger, StateBytes, peak_in_flight
-from smp.planner.profile import profile_model
+from smp.planner.profile import _same, profile_model
 
 
 @pytest.mark.parametrize("name", list(KORTHIKANTI_FIGURE_1))
@@ -267,3 +267,101 @@ def test_a_module_registered_twice_is_known_by_its_first_name():
     profile = profile_model(Twice(), (torch.randn(2, 8, requires_grad=True),))
     assert "inner.alias" not in profile.modules
     assert profile.traces["shared"].calls == 1 and profile.modules["shared"].ops
+
+
+def _hf(name: str, layers: int):
+    transformers = pytest.importorskip("transformers")
+    small = {"vocab_size": 128}
+    configs = {
+        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
+                 {"n_layer": layers, "n_embd": 32, "n_head": 4, "n_positions": 32}),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                  {"num_hidden_layers": layers, "hidden_size": 32, "intermediate_size": 64,
+                   "num_attention_heads": 4, "num_key_value_heads": 2}),
+        # Local and global attention alternate: period 2.
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+                   {"num_hidden_layers": layers, "hidden_size": 32, "intermediate_size": 64,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}),
+        # Sliding-window attention from layer 3 on: three distinct leading blocks.
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                  {"num_hidden_layers": layers, "hidden_size": 32, "intermediate_size": 64,
+                   "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "use_sliding_window": True, "max_window_layers": 3}),
+        # The first block alone holds the relative position bias, and passes it to the others.
+        "t5": (transformers.T5Config, transformers.T5ForConditionalGeneration,
+               {"num_layers": layers, "d_model": 32, "d_ff": 64, "num_heads": 4, "d_kv": 8,
+                "decoder_start_token_id": 0}),
+    }  # fmt: skip
+    config_class, model_class, options = configs[name]
+    with torch.device("meta"):
+        return model_class(config_class(**small, **options))
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "traced"),
+    [("gpt2", 12, "4 of 12"), ("llama", 10, "4 of 10"), ("gemma2", 18, "8 of 18"),
+     ("qwen2", 16, "7 of 16"), ("t5", 12, "5 of 12")],
+)  # fmt: skip
+def test_a_profile_traced_from_a_few_blocks_is_the_profile_of_all(name, layers, traced):
+    model = _hf(name, layers)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    kwargs = {"input_ids": ids, "labels": ids}
+    whole = profile_model(model, (), kwargs, device="cuda")
+    sampled = profile_model(model, (), kwargs, device="cuda", sample=True)
+    assert sampled.sampled.startswith(f"{traced} blocks"), sampled.sampled
+    assert not whole.sampled
+    # Every module's parameters, saved bytes, ops and collectives; every saved storage with
+    # its owners; the partitioner's traces (call order included).
+    assert _same(sampled, whole)
+    assert sampled.parameter_bytes() == whole.parameter_bytes()
+    assert sampled.activation_bytes() == whole.activation_bytes()
+    assert len(list(model.parameters())) > 0 and sum(1 for _ in model.modules()) == len(
+        sampled.modules
+    )  # the model is whole again
+
+
+def test_blocks_are_all_traced_where_the_evidence_for_sampling_is_missing():
+    class Stack(nn.Module):
+        def __init__(self, blocks, scale_each=False):
+            super().__init__()
+            self.blocks = nn.ModuleList(blocks)
+            self.scale_each = scale_each
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+                if self.scale_each:  # the parent's own work per block
+                    x = x * 1.5
+            return x.sum()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    one = nn.Linear(8, 8)
+    cases = {
+        "holds one module more than once": Stack([one] * 10),
+        "do not repeat": Stack([nn.Linear(8, 8, bias=i % 5 == 0) for i in range(10)]),
+        "differs from the trace": Stack([nn.Linear(8, 8) for _ in range(10)], scale_each=True),
+        "no nn.ModuleList of 8 or more": Stack([nn.Linear(8, 8) for _ in range(7)]),
+    }
+    for why, model in cases.items():
+        sampled = profile_model(model, (x,), sample=True)
+        assert sampled.sampled.startswith("every block traced") and why in sampled.sampled
+        assert _same(sampled, profile_model(model, (x,)))
+    # The same stack without the parent's per-block work samples.
+    plain = Stack([nn.Linear(8, 8) for _ in range(10)])
+    sampled = profile_model(plain, (x,), sample=True)
+    assert sampled.sampled.startswith("4 of 10 blocks") and _same(
+        sampled, profile_model(plain, (x,))
+    )
+
+
+def test_a_tensor_parallel_rank_samples_as_the_whole_model_does():
+    from smp.planner.plan import _tensor_parallel
+
+    model = _hf("llama", 10)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    kwargs = {"input_ids": ids, "labels": ids}
+    _, whole = _tensor_parallel(model, 2, (), kwargs, None, "cuda", False)
+    _, sampled = _tensor_parallel(model, 2, (), kwargs, None, "cuda", True)
+    assert sampled.sampled.startswith("4 of 10 blocks")
+    assert _same(sampled, whole)
+    assert any(r.collectives for r in sampled.modules.values())
