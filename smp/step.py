@@ -393,7 +393,9 @@ class _StepFunction:
         try:
             with _precision(state):  # pipeline workers and served calls inherit it (§4.7)
                 if runtimes:
-                    results, backward_calls = runtimes[0].run_step(self.func, calls)
+                    results, backward_calls = runtimes[0].run_step(
+                        self.func, calls, self.detach_outputs
+                    )
                     for model in models:
                         model._step_backward_count = backward_calls
                 else:

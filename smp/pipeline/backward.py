@@ -338,11 +338,13 @@ class BackwardMixin:
         if worker.quiet:
             self._hold(-1)
             if not present or worker.quiet_refused:
+                self._release_finished(worker)
                 return
             worker.quiet_refused = True  # gradients after all: the caller learns, and reruns
         self.sender.send(
             caller, [GRAD_IN, worker.microbatch, call_id, *present], [grads[i] for i in present]
         )
+        self._release_finished(worker)
 
 
 def _add(store: dict, key: int, grad: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from smp import _C
+from smp.core import tree
 from smp.pipeline import segments
 from smp.pipeline.backward import BackwardMixin
 from smp.pipeline.cache import LRU
@@ -265,11 +266,14 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
     # ---- the step ------------------------------------------------------------------------------
 
     def run_step(
-        self, step_fn: Callable[..., Any], calls: list[tuple[tuple, dict]]
+        self, step_fn: Callable[..., Any], calls: list[tuple[tuple, dict]], detach: bool = True
     ) -> tuple[list[Any], int]:
         """Runs one step on this rank. Returns (per-microbatch results, backward calls) on the
-        leader; on other ranks the leader's results arrive through the caller (StepOutput)."""
+        leader; on other ranks the leader's results arrive through the caller (StepOutput).
+        ``detach``: the results are detached from the graph as each microbatch finishes
+        (``smp.step``'s ``detach_outputs``)."""
         cfg = self.state.config
+        self.detach_results = detach
         leader = self.stage == 0
         self._back = _Baton()  # the baton, back from a worker (one per step)
         self._streams = _Streams()
@@ -379,6 +383,23 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
         self._tag = _fresh_tag(self.state)
         self.transport = self._new_transport()
         self.order_transport = self._new_order_transport()
+
+    # Note [Tensors of a finished call]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A served call whose subtree is complete (its backward done, every call it made acknowledged,
+    # its GRAD_IN sent or, quiet, not needed) and a microbatch's step function once the
+    # microbatch is finished on this rank are read by nothing else this step: no FETCH reads a
+    # call's outputs once its backward has begun, its consumers' gradient shares have arrived,
+    # and a step that reruns (CallStructureChanged) starts from new workers. So they drop their
+    # tensors then (inputs and replies as leaves, outputs, gradients, their calls' values and
+    # sent tensors; the step function's result is already in ``results``), not at the step's end:
+    # otherwise a stage held every microbatch's messages until the step ended, a memory growing
+    # with the microbatch count that 1F1B's bound on microbatches in flight does not see. The
+    # result is detached then too (unless ``detach_outputs=False``): its graph, though its saved
+    # tensors are freed, keeps every leaf it reached, the replies from other stages among them
+    # (about one message per microbatch on the first stage of a GPT at pp 2). What a
+    # weight half kept apart (zero-bubble) holds its own references; a quiet call answered late
+    # (smp.pipeline.protocol) reads only its key, path, owner and prediction.
 
     def _forget_step(self) -> None:
         """Drops the step's workers and calls. They reference each other (a call its worker, a
@@ -646,7 +667,17 @@ class PipelineRuntime(CallsMixin, ServingMixin, BackwardMixin):
         if worker.next_interval >= 0 and not worker.backward_done:
             return
         self.done_mb.add(mb)
+        if self.detach_results:  # Note [Tensors of a finished call]
+            self.results[mb] = tree.map_tensors(torch.Tensor.detach, self.results[mb])
+        self._release_finished(worker)
         self.policy.on_microbatch_finished(mb)
+
+    def _release_finished(self, worker: _Worker) -> None:
+        """Note [Tensors of a finished call]."""
+        for call in worker.calls:  # a quiet one stays in quiet_calls, its answer reads no tensor
+            call.values = call.grad_in = None
+            call.sent, call.sent_edges, call.out_leaves, call.root_grads = [], [], [], []
+        worker.release()
 
     def _abort_workers(self) -> BaseException | None:
         """Ends every suspended worker thread (they raise _Abort where they wait), within

@@ -596,12 +596,11 @@ def _price(
     ledgers = []
     for stage in range(pp):
         kept, transient = activations[stage]
-        # The pipeline's messages, for every microbatch of the step: a served call's outputs
-        # stay on its stage until the step ends (a later FETCH may read them; measured on an
-        # HF Llama at pp 2: two copies of each microbatch's logits on the last stage), and the
-        # caller keeps copies of what it sent; FSDP2's gathered parameters and unreduced
-        # gradients.
-        transient += 2 * crossing[stage] * m + gathered[stage]
+        # The pipeline's messages, for the microbatches in flight: a call's inputs and outputs
+        # stay on both stages until the microbatch finishes there (Note [Tensors of a finished
+        # call] in smp.pipeline.runtime), as its activations do; FSDP2's gathered parameters
+        # and unreduced gradients.
+        transient += 2 * crossing[stage] * in_flight[stage] + gathered[stage]
         # Weight gradients computed apart (design.md §4.4; the dynamic policy on stages after
         # the first, ZB-H1 everywhere) keep a recomputed block's activations until they run,
         # for up to min(pp, m) microbatches.
