@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy as copy_module
 import dataclasses
+import functools
 import sys
 import time
 import warnings
@@ -216,6 +217,7 @@ _SCHEDULES = {  # the pipeline's config keys -> the schedule IR's generator that
 }
 
 
+@functools.lru_cache(maxsize=256)  # a search simulates each program under many costs
 def _program(name: str, pp: int, m: int):
     S = _C.schedule
     return {"1f1b": S.one_f_one_b, "zbh1": S.zero_bubble_h1, "gpipe": S.gpipe}[name](pp, m)
@@ -476,17 +478,29 @@ def _tp_seconds(cluster, collectives: Counter, tp: int, scale: float, table, cac
     return cache[key][1]
 
 
+def _stage_modules(partition, pp: int, cache: dict) -> list[list[str]]:
+    """Each stage's modules, as ``PartitionPlan.stage_modules`` names them (once per partition,
+    for the plans that fit)."""
+    key = ("stages", id(partition))
+    if key not in cache:
+        cache[key] = (partition, [partition.stage_modules(st) for st in range(pp)])
+    return cache[key][1]
+
+
 def _stage_facts(profile: ModelProfile, partition, blocks: list[str], pp: int) -> list[dict]:
-    """Per stage of a partition, what every candidate on it reads: ``ModelProfile.stage_totals``
-    and of the repeated blocks it holds, ``blocks`` (their paths), ``block_activation`` (the
-    largest one's saved bytes), ``blocks_activation`` and ``blocks_input`` (all of theirs),
-    ``recompute_ops`` (their ops, run again when checkpointed) and ``gathered`` (what FSDP2
-    holds whole beyond the shards, smp.dp.sharded: the blocks are units, the rest of the model
-    one more, resharded after forward; the root unit's parameters for the whole step with their
-    gradients before the reduce-scatter, and two blocks' parameters, the one running and the
-    one prefetched, with one block's gradients)."""
+    """Per stage of a partition, what every candidate on it reads: ``ModelProfile.stage_totals``,
+    ``message_bytes`` (``ModelProfile.message_bytes``), and of the repeated blocks it holds,
+    ``blocks`` (their paths), ``block_activation`` (the largest one's saved bytes),
+    ``blocks_activation`` and ``blocks_input`` (all of theirs), ``recompute_ops`` (their ops,
+    run again when checkpointed) and ``gathered`` (what FSDP2 holds whole beyond the shards,
+    smp.dp.sharded: the blocks are units, the rest of the model one more, resharded after
+    forward; the root unit's parameters for the whole step with their gradients before the
+    reduce-scatter, and two blocks' parameters, the one running and the one prefetched, with
+    one block's gradients)."""
     totals = profile.stage_totals(partition.assignment, pp)
+    messages = profile.message_bytes(partition.assignment, pp)
     for stage, facts in enumerate(totals):
+        facts["message_bytes"] = messages[stage]
         own = [b for b in blocks if partition.assignment.get(b) == stage]
         facts["blocks"] = own
         facts["block_activation"] = max((profile.activation_bytes(b) for b in own), default=0)
@@ -547,13 +561,11 @@ def _price(
     # Per stage: forward seconds, activation bytes per microbatch, parameters.
     forward, activations, params = [], [], []
     tp = config["tensor_parallel_degree"]
-    # Per stage and microbatch, the calls between stages it takes part in and the bytes it
-    # sends and receives, both directions.
-    calls, crossing = [0.0] * pp, [0.0] * pp
+    # Per stage and microbatch, the calls between stages it takes part in.
+    calls = [0.0] * pp
     for link in partition.links if pp > 1 else []:
         for stage in link.stages:
             calls[stage] += link.calls
-            crossing[stage] += (link.forward_bytes + link.backward_bytes) * scale
     backward: list[float] = []
     for stage in range(pp):
         totals = stage_totals[stage]
@@ -596,11 +608,16 @@ def _price(
     ledgers = []
     for stage in range(pp):
         kept, transient = activations[stage]
-        # The pipeline's messages, for the microbatches in flight: a call's inputs and outputs
-        # stay on both stages until the microbatch finishes there (Note [Tensors of a finished
-        # call] in smp.pipeline.runtime), as its activations do; FSDP2's gathered parameters
-        # and unreduced gradients.
-        transient += 2 * crossing[stage] * in_flight[stage] + gathered[stage]
+        # The pipeline's messages, for the microbatches in flight: the values that flow between
+        # this stage's modules and another's and their gradients (Note [Values between
+        # modules] in smp.planner.profile), on both stages until the microbatch finishes there
+        # (Note [Tensors of a finished call] in smp.pipeline.runtime); FSDP2's gathered
+        # parameters and unreduced gradients.
+        # Twice: the receiver's leaf and the sender's own tensor, with the copy the message
+        # carries, or the copy a caller keeps of an argument the owner reads when it needs it
+        # (Note [Arguments fetched when read]).
+        messages = 2 * stage_totals[stage]["message_bytes"] * scale if pp > 1 else 0.0
+        transient += messages * in_flight[stage] + gathered[stage]
         # Weight gradients computed apart (design.md §4.4; the dynamic policy on stages after
         # the first, ZB-H1 everywhere) keep a recomputed block's activations until they run,
         # for up to min(pp, m) microbatches.
@@ -703,7 +720,7 @@ def _price(
             "data_parallel_seconds": exposed,
             "optimizer_seconds": optimizer,
         },
-        stages=[partition.stage_modules(st) for st in range(pp)] if pp > 1 else [["<whole model>"]],
+        stages=_stage_modules(partition, pp, cache) if pp > 1 else [["<whole model>"]],
         timeline=Timeline(pieces),
     )
 

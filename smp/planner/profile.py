@@ -71,6 +71,9 @@ class ModelProfile:
     modules: dict[str, ModuleProfile]
     saved: list[tuple[int, frozenset[str]]] = dataclasses.field(default_factory=list)
     traces: dict[str, ModuleTrace] = dataclasses.field(default_factory=dict)
+    # Values between modules: (bytes, producer, the value's number among the producer's,
+    # consumer) (Note [Values between modules])
+    flows: list[tuple[int, str, int, str]] = dataclasses.field(default_factory=list)
     # How the repeated blocks were traced (Note [Sampled blocks]): "" when all were.
     sampled: str = dataclasses.field(default="", compare=False)
     # sums already asked for: a search asks for the same blocks' bytes per candidate
@@ -134,6 +137,29 @@ class ModelProfile:
             )
         return self._sums[key]
 
+    def message_bytes(self, assignment: Mapping[str, int], num_stages: int) -> list[int]:
+        """Per stage of a partition, the bytes of the values that cross between its modules and
+        another stage's, forward and (for those that need one) their gradients back, and the
+        outputs of its modules' calls from other stages, per traced forward (Note [Values
+        between modules])."""
+        out = [0] * num_stages
+        sent = set()  # a value goes to a stage once, however many of its modules read it
+        for nbytes, producer, number, consumer in self.flows:
+            a, b = assignment.get(producer, 0), assignment.get(consumer, 0)
+            if a != b and (producer, number, b) not in sent:
+                sent.add((producer, number, b))
+                out[a] += nbytes
+                out[b] += nbytes
+        # A call from another stage keeps its outputs on its own until its backward begins,
+        # whether another stage reads them or not (the head's logits, which the loss reads on
+        # the head's stage).
+        for name, trace in self.traces.items():
+            stage = assignment.get(name, 0)
+            for caller, calls in trace.callers.items():
+                if assignment.get(caller or "", 0) != stage:
+                    out[stage] += calls.output_bytes
+        return out
+
     def activation_bytes(self, paths: str | Sequence[str] = "") -> int:
         """What the subtrees of ``paths`` save for their backward per traced forward: every
         storage one of their modules saved, once (a stage of those modules holds this)."""
@@ -142,6 +168,22 @@ class ModelProfile:
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# Note [Values between modules]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What a pipeline sends is what flows between its stages' modules, not every argument and
+# output of a call that crosses: smp's runtime passes a value between calls served on one stage
+# by reference, sends a call's outputs only where they are read, and runs an op on a future
+# where its value is (design.md §4.3, §4.6). So the trace follows values: every storage an op
+# makes has a producer, the module whose own code ran the op; an op reading a storage that
+# another module made is a flow from that module to this one, once per storage and consumer,
+# with its bytes (twice, for a value that needs a gradient, which comes back the same way). A
+# value goes to a stage once, however many of its modules read it.
+# The model's inputs are the root's. An ancestor's code running on a descendant's value (a
+# residual add in a parent, a loss on the head's logits) runs where that value is: the op's
+# place is the descendant, and what it makes is the descendant's. A stage's messages are the
+# flows between its modules and another stage's.
 
 
 class _Recorder:
@@ -157,6 +199,12 @@ class _Recorder:
         }
         self.exclude = exclude
         self.saved: dict[StorageWeakRef, tuple[int, set[str]]] = {}
+        # Note [Values between modules]: each storage's producer and its number among the
+        # producer's storages, and each flow of one into a module that did not make it,
+        # (storage, consumer) -> (bytes, producer, number).
+        self.producers: dict[StorageWeakRef, tuple[str, int]] = {}
+        self.made: dict[str, int] = {}
+        self.flows: dict[tuple[StorageWeakRef, str], tuple[int, str, int]] = {}
         # Every saved tensor, held until the trace ends: a storage freed mid-forward (a dead
         # branch's graph) could otherwise be replaced by a new one at its address, which its
         # weak reference would take for it.
@@ -183,7 +231,49 @@ class _Recorder:
             self.saved[key] = (storage.nbytes(), set())
             self.records[owner].activation_bytes += storage.nbytes()
         self.saved[key][1].add(owner)
+        made = self.producers.get(key)
+        if (
+            made is not None
+            and made[0] != owner
+            and made[0].startswith(f"{owner}." if owner else "")
+        ):
+            # An ancestor's op on a descendant's value may run where the value is (Note [Values
+            # between modules]): a stage holding either module holds what it saved.
+            self.saved[key][1].add(made[0])
         return tensor
+
+    def add_inputs(self, tensors) -> None:
+        """The model's inputs: made by the caller's code, which runs with the root module."""
+        for t in tensors:
+            self._produced(StorageWeakRef(t.untyped_storage()), "", t)
+
+    def _produced(self, key: StorageWeakRef, place: str, t: torch.Tensor) -> None:
+        if key not in self.producers:
+            self.producers[key] = (place, self.made.get(place, 0))
+            self.made[place] = self.made.get(place, 0) + 1
+            self.alive.append(t)
+
+    def add_flow(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Note [Values between modules], for one op: where it runs, what it reads from other
+        modules, what it makes."""
+        here = self.stack[-1] if self.stack else ""
+        inside = f"{here}." if here else ""
+        keys = []
+        place = here
+        for t in inputs:
+            key = StorageWeakRef(t.untyped_storage())
+            made = self.producers.get(key)
+            if key in self.exclude or made is None:
+                continue
+            keys.append((key, t, made))
+            if place == here and made[0] != here and made[0].startswith(inside):
+                place = made[0]  # an ancestor's code on a descendant's value runs there
+        for key, t, (producer, number) in keys:
+            if producer != place and (key, place) not in self.flows:
+                grad = 2 if t.requires_grad else 1  # its gradient comes back the same way
+                self.flows[key, place] = (grad * t.untyped_storage().nbytes(), producer, number)
+        for t in outputs:
+            self._produced(StorageWeakRef(t.untyped_storage()), place, t)
 
     def add_collective(self, name: str, nbytes: int) -> None:
         self.records[self.stack[-1] if self.stack else ""].collectives.append((name, nbytes))
@@ -219,9 +309,12 @@ class _OpCosts(TorchDispatchMode):
             flops = float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
         else:
             flops = formula_flops(func, args, kwargs, out) or 0.0  # else priced by its bytes
-        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        tensors = inputs + outputs
         dtype = next((DTYPE_NAMES[t.dtype] for t in tensors if t.dtype in DTYPE_NAMES), "fp32")
         self.recorder.add_op(flops, sum(_bytes(t) for t in tensors), dtype)
+        self.recorder.add_flow(inputs, outputs)
         return out
 
 
@@ -392,6 +485,7 @@ def _same(a: ModelProfile, b: ModelProfile) -> bool:
     return (
         a.modules == b.modules
         and Counter(a.saved) == Counter(b.saved)
+        and Counter(a.flows) == Counter(b.flows)
         and untimed(a.traces) == untimed(b.traces)
     )
 
@@ -424,6 +518,7 @@ def _trace(model, args, kwargs, run, device) -> ModelProfile:
     f_args, f_kwargs = fake(tuple(args)), fake(kwargs)
     exclude = {StorageWeakRef(t.untyped_storage()) for t in state.values()}
     recorder = _Recorder(model, exclude)
+    recorder.add_inputs(t for t in tree_leaves((f_args, f_kwargs)) if isinstance(t, torch.Tensor))
     runner = _Run(model, run)
     state = {f"model.{name}": value for name, value in state.items()}
     rng = torch.random.get_rng_state()
@@ -445,8 +540,12 @@ def _trace(model, args, kwargs, run, device) -> ModelProfile:
         torch.random.set_rng_state(rng)
     _count_parameters(model, recorder.records)
     saved = [(nbytes, frozenset(owners)) for nbytes, owners in recorder.saved.values()]
+    flows = [
+        (nbytes, producer, number, consumer)
+        for (_, consumer), (nbytes, producer, number) in recorder.flows.items()
+    ]
     recorder.alive.clear()
-    return ModelProfile(recorder.records, saved, traces)
+    return ModelProfile(recorder.records, saved, traces, flows)
 
 
 class _Run(nn.Module):
@@ -479,8 +578,8 @@ class _Run(nn.Module):
 # - the list holds distinct module objects, and N - s is a whole number of periods;
 # - the extension rule reproduces a real trace: the profile of s + 3p blocks, extended by one
 #   period, equals the profile traced with s + 4p blocks exactly (every module's ops, saved
-#   storages and their owners, the partitioner's traces). Only then is the s + 4p profile
-#   extended to N.
+#   storages and their owners, the values between modules, the partitioner's traces). Only then
+#   is the s + 4p profile extended to N.
 # The rule: a block past the trace is its period's last traced twin (its records, its saved
 # storages, its traces, renamed, calls renumbered); a storage saved only by the last two traced
 # periods (a tensor passed between blocks) repeats with its owners shifted; one saved by blocks
@@ -644,6 +743,30 @@ def _extend(
             # list's new end.
             saved.append((nbytes, frozenset(blocks.shift(o, extra * period) for o in owners)))
 
+    flows: list[tuple[int, str, int, str]] = []
+    for nbytes, producer, number, consumer in profile.flows:
+        made, read = blocks.index(producer), blocks.index(consumer)
+        if made not in last and read not in last:
+            flows.append((nbytes, producer, number, consumer))
+        elif made is not None and read is not None and min(made, read) >= earlier:
+            # Between the last two periods' blocks (the hidden state): every later period too.
+            for k in range(extra + 1):
+                shift = k * period
+                flows.append(
+                    (nbytes, blocks.shift(producer, shift), number, blocks.shift(consumer, shift))
+                )
+        elif made is None or made not in last:
+            # From before the list or an early block (a mask, a position bias) into the last
+            # period: into every new block too.
+            for k in range(extra + 1):
+                flows.append((nbytes, producer, number, blocks.shift(consumer, k * period)))
+        elif read is None:
+            # From the last period out of the list (into the final norm): from the new end.
+            flows.append((nbytes, blocks.shift(producer, extra * period), number, consumer))
+        else:  # from the last period into an early block: every new block's too
+            for k in range(extra + 1):
+                flows.append((nbytes, blocks.shift(producer, k * period), number, consumer))
+
     traces: dict[str, ModuleTrace] = {}
     firsts = [
         profile.traces[n].first_call
@@ -679,4 +802,4 @@ def _extend(
             trace = profile.traces[name]
             later = trace.first_call is not None and trace.first_call > after and index is None
             traces[name] = renamed(trace, 0, extra * step if later else 0)
-    return ModelProfile(records, saved, traces)
+    return ModelProfile(records, saved, traces, flows)

@@ -50,10 +50,11 @@ def _peak_worker(microbatches: int, pipeline: str, detach: bool) -> float:
 @pytest.mark.parametrize("pipeline", ["1f1b", "interleaved"])
 def test_a_stage_holds_no_more_with_more_microbatches(pools, pipeline):
     few = pools.run(2, _peak_worker, 4, pipeline, True)
-    many = pools.run(2, _peak_worker, 40, pipeline, True)
+    many = pools.run(2, _peak_worker, 64, pipeline, True)
     # One microbatch's messages: its hidden state and its logits (fp32, one sample). Holding
-    # them until the step's end grew a stage by about half of that per microbatch (7 MiB here
-    # from 4 to 40 microbatches); what is left is the schedule's own variation.
+    # them until the step's end grew a stage by more than half of that per microbatch (36 to 41
+    # of them from 4 to 64 microbatches); what is left is the schedule's own variation, up to
+    # 10 of them between runs.
     message = _SEQ * (_HIDDEN + _VOCAB) * 4
     for rank, (a, b) in enumerate(zip(few, many)):
-        assert b - a < 8 * message, (rank, a, b, message)
+        assert b - a < 20 * message, (rank, a, b, message)

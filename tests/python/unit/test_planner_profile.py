@@ -365,3 +365,33 @@ def test_a_tensor_parallel_rank_samples_as_the_whole_model_does():
     assert sampled.sampled.startswith("4 of 10 blocks")
     assert _same(sampled, whole)
     assert any(r.collectives for r in sampled.modules.values())
+
+
+def test_a_stage_sends_the_values_that_flow_between_its_modules_and_another_stages():
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+            self.head = nn.Linear(16, 32)
+
+        def forward(self, x, y):
+            for block in self.blocks:
+                x = torch.relu(block(x))  # the root's op on a block's value runs with the block
+            return nn.functional.cross_entropy(self.head(x), y)  # and the loss with the head
+
+    batch = 4
+    x, y = torch.randn(batch, 16, requires_grad=True), torch.randint(0, 32, (batch,))
+    profile = profile_model(Chain(), (x, y))
+    stages = {"": 0, "blocks": 0, "blocks.0": 0, "blocks.1": 0, "blocks.2": 1, "blocks.3": 1}
+    stages["head"] = 1
+    # Between the stages: block 1's output into block 2 and its gradient back (fp32), and the
+    # targets into the loss on the head's stage (int64, no gradient); the head's output, which
+    # the loss reads on its own stage, stays there but is kept for its backward (a call from
+    # stage 0). Not the input x (stage 0 reads it), not the logits' way back to the root.
+    crossing = 2 * batch * 16 * 4 + batch * 8
+    served = [c.output_bytes for name in ("blocks.2", "blocks.3", "head")
+              for c in profile.traces[name].callers.values()]  # fmt: skip
+    assert profile.message_bytes(stages, 2) == [crossing, crossing + sum(served)]
+    assert sum(served) == batch * 16 * 4 * 2 + batch * 32 * 4
+    # One stage: nothing crosses.
+    assert profile.message_bytes(dict.fromkeys(stages, 0), 1) == [0]
