@@ -49,7 +49,7 @@ from smp.memory.activations import set_activation_checkpointing
 from smp.partitioning.plan import build_plan
 from smp.planner.cluster import Cluster, get_cluster
 from smp.planner.memory import Ledger, StateBytes, peak_in_flight
-from smp.planner.profile import DTYPE_NAMES, ModelProfile, profile_model
+from smp.planner.profile import DTYPE_NAMES, ModelProfile, largest_module_list, profile_model
 from smp.tp.functional import local_only
 from smp.tp.lm_head import distribute_lm_head
 from smp.tp.registry import distribute_marked_modules, set_tensor_parallelism
@@ -187,11 +187,11 @@ def _batch_dim(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
 def _repeated_blocks(model: nn.Module) -> list[str]:
     """The paths of the layers of the model's largest ``nn.ModuleList`` (its transformer
     blocks): what activation checkpointing checkpoints."""
-    best: list[str] = []
-    for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            best = [f"{path}.{i}" if path else str(i) for i in range(len(module))]
-    return best if len(best) >= 2 else []
+    found = largest_module_list(model)
+    if found is None or len(found[1]) < 2:
+        return []
+    path, blocks = found
+    return [f"{path}.{i}" if path else str(i) for i in range(len(blocks))]
 
 
 def _states(dtype: torch.dtype, optimizer_shards: int, all_shards: int) -> StateBytes:
@@ -310,7 +310,7 @@ def plan(
     plans: list[Plan] = []
     rejected: list[Rejected] = []
     partitions: dict[tuple[int, int], Any] = {}
-    cache: dict = {}  # device seconds of op tables (_seconds)
+    cache: dict = {}  # what candidates share: op tables' seconds, stages' modules (_seconds)
     for index, tp in enumerate(degrees):
         if tp == 1:
             layout = (model, profile)

@@ -170,6 +170,11 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _below(path: str, ancestor: str) -> bool:
+    """Whether module ``path`` is inside module ``ancestor`` ("" is the root)."""
+    return path != ancestor and path.startswith(f"{ancestor}." if ancestor else "")
+
+
 # Note [Values between modules]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # What a pipeline sends is what flows between its stages' modules, not every argument and
@@ -232,11 +237,7 @@ class _Recorder:
             self.records[owner].activation_bytes += storage.nbytes()
         self.saved[key][1].add(owner)
         made = self.producers.get(key)
-        if (
-            made is not None
-            and made[0] != owner
-            and made[0].startswith(f"{owner}." if owner else "")
-        ):
+        if made is not None and _below(made[0], owner):
             # An ancestor's op on a descendant's value may run where the value is (Note [Values
             # between modules]): a stage holding either module holds what it saved.
             self.saved[key][1].add(made[0])
@@ -257,7 +258,6 @@ class _Recorder:
         """Note [Values between modules], for one op: where it runs, what it reads from other
         modules, what it makes."""
         here = self.stack[-1] if self.stack else ""
-        inside = f"{here}." if here else ""
         keys = []
         place = here
         for t in inputs:
@@ -266,7 +266,7 @@ class _Recorder:
             if key in self.exclude or made is None:
                 continue
             keys.append((key, t, made))
-            if place == here and made[0] != here and made[0].startswith(inside):
+            if place == here and _below(made[0], here):
                 place = made[0]  # an ancestor's code on a descendant's value runs there
         for key, t, (producer, number) in keys:
             if producer != place and (key, place) not in self.flows:
@@ -422,9 +422,9 @@ def profile_model(
 
     if not sample:
         return trace()
-    found = _largest_list(model)
+    found = largest_module_list(model)
     why = "no nn.ModuleList of 8 or more blocks"
-    if found is not None:
+    if found is not None and len(found[1]) >= 8:
         prefix, blocks = found
         why = _sampled(model, prefix, blocks, trace)
         if isinstance(why, ModelProfile):
@@ -434,11 +434,12 @@ def profile_model(
     return profile
 
 
-def _largest_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The model's largest ``nn.ModuleList`` (its blocks), if it has 8 or more entries."""
+def largest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The model's largest ``nn.ModuleList`` (its transformer blocks) with its path, the first
+    in ``named_modules`` order among equals; None without one."""
     best: tuple[str, nn.ModuleList] | None = None
     for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > (len(best[1]) if best else 7):
+        if isinstance(module, nn.ModuleList) and len(module) > (len(best[1]) if best else 0):
             best = (path, module)
     return best
 
@@ -704,11 +705,11 @@ def _extend(
     paths in ``named_modules`` order."""
     blocks = _Blocks(prefix)
     extra = (total - traced) // period
-    last = range(traced - period, traced)  # the last traced period
+    last = set(range(traced - period, traced))  # the last traced period
     earlier = traced - 2 * period  # before the last two periods
 
     def twin(index: int) -> tuple[int, int]:  # (traced twin, periods later)
-        k = (index - last.start) // period
+        k = (index - (traced - period)) // period
         return index - k * period, k
 
     records: dict[str, ModuleProfile] = {}
@@ -726,7 +727,7 @@ def _extend(
     for nbytes, owners in profile.saved:
         indices = {blocks.index(o) for o in owners} - {None}
         outside = any(blocks.index(o) is None for o in owners)
-        if not indices & set(last):
+        if not indices & last:
             saved.append((nbytes, owners))
         elif min(indices) < earlier:
             # Saved by blocks of every period (a mask): the new blocks save it too.
@@ -776,7 +777,7 @@ def _extend(
     previous = [
         profile.traces[n].first_call
         for n in profile.traces
-        if blocks.index(n) in range(last.start - period, last.start)
+        if blocks.index(n) in range(traced - 2 * period, traced - period)
         and profile.traces[n].first_call is not None
     ]
     step = min(firsts) - min(previous)  # module calls per period

@@ -94,6 +94,27 @@ def gpt_train_step(smp):
     return train_step
 
 
+def step_peak(model, module: nn.Module, opt, train_step, *batch) -> tuple[int, Any]:
+    """This rank's tensor peak (smp.planner.live.LiveMemory) over one training step and its
+    optimizer step, after a first step has partitioned the model and made the optimizer
+    state, not counting what it held before (parameters, buffers, optimizer state, the batch);
+    and the measured step's output."""
+    from smp.planner.live import LiveMemory
+
+    train_step(model, *batch)
+    opt.step()
+    opt.zero_grad()
+    state = [
+        t for s in opt.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    ]
+    live = LiveMemory([*model.local_parameters(), *module.buffers(), *state, *batch])
+    with live:
+        out = train_step(model, *batch)
+        opt.step()
+        opt.zero_grad()
+    return live.peak_bytes, out
+
+
 def lm_train_step(smp, kind: str):
     """The memory-saver tests' step as an ``smp.step`` function ``(model, ids, other)``: the
     demo GPT's next-token loss against ``other`` (its targets), or a Hugging Face causal LM's

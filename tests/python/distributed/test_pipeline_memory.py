@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model import GPT, GPTConfig, lm_loss
+from models import step_peak
 
 import smp
 
@@ -14,8 +15,6 @@ _SEQ, _VOCAB, _HIDDEN = 128, 512, 128
 
 
 def _peak_worker(microbatches: int, pipeline: str, detach: bool) -> float:
-    from smp.planner.live import LiveMemory
-
     config = {"pipeline_parallel_degree": 2, "microbatches": microbatches, "ddp": True}
     if pipeline == "1f1b":
         config.update(pipeline="static", pipeline_schedule="1f1b")
@@ -32,19 +31,9 @@ def _peak_worker(microbatches: int, pipeline: str, detach: bool) -> float:
         return loss
 
     x, y = (torch.randint(0, _VOCAB, (microbatches, _SEQ)) for _ in range(2))  # one sample each
-    train_step(model, x, y)  # partitions, and makes the optimizer state
-    opt.step()
-    opt.zero_grad()
-    state = [
-        t for s in opt.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-    ]
-    live = LiveMemory([*model.local_parameters(), *module.buffers(), *state, x, y])
-    with live:
-        losses = train_step(model, x, y)
-        opt.step()
-        opt.zero_grad()
+    peak, losses = step_peak(model, module, opt, train_step, x, y)
     assert all(loss.grad_fn is None for loss in losses.outputs) == detach
-    return float(live.peak_bytes)
+    return float(peak)
 
 
 @pytest.mark.parametrize("pipeline", ["1f1b", "interleaved"])

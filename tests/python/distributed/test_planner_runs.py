@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import build_model, gpt_train_step, lm_loss, make_batch
+from models import build_model, gpt_train_step, lm_loss, make_batch, step_peak
 
 import smp
 
@@ -104,26 +104,13 @@ def _gpt4():
 
 
 def _peak_worker(chosen, batch):
-    from smp.planner.live import LiveMemory
-
     torch.manual_seed(0)
     module = _gpt4()
     model, opt, train_step = _start(chosen, module)
 
     g = torch.Generator().manual_seed(smp.rdp_rank())  # each replica its own data
     x, y = (torch.randint(0, 512, (batch, 128), generator=g) for _ in range(2))
-    train_step(model, x, y)  # the first step partitions and makes the optimizer state
-    opt.step()
-    opt.zero_grad()
-    state = [
-        t for s in opt.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-    ]
-    live = LiveMemory([*model.local_parameters(), *module.buffers(), *state, x, y])
-    with live:
-        train_step(model, x, y)
-        opt.step()
-        opt.zero_grad()
-    return live.peak_bytes
+    return step_peak(model, module, opt, train_step, x, y)[0]
 
 
 # (pp, sharding, microbatch size, pipeline schedule, checkpointing, tp): layouts whose peaks the
