@@ -3,22 +3,27 @@ can be measured here, printed with its numbers.
 
 1. **Full-scale memory** (no run): a Megatron-style GPT-3 layer at tp 8 traced on fake tensors,
    times the schedule IR's in-flight count, against Korthikanti et al. 2022's Figure 1.
-2. **This machine** (`--runs`, world 2, one process per core, gloo): for each layout of a small
-   GPT and an unmodified Hugging Face Llama (pp, tp, dp in {1, 2}; ZeRO-1, sdp; the dynamic and
-   static schedules; checkpointing; microbatch sizes), smp runs the plan (``smp.init(config)``,
-   ``plan.apply``) for a few steps: each rank's tensor peak (``smp.planner.live.LiveMemory``)
-   against its ledger, and the median step time against the predicted one, with the
-   ``this-machine`` profile (calibrated on first use).
+2. **This machine** (world 2, one process per core, gloo): layouts drawn at random from the
+   distinct plans (pp, tp, dp in {1, 2}; ZeRO-1, sdp; the dynamic and static schedules;
+   checkpointing; microbatch sizes), each run by ``smp.init(config)`` for a few steps. The
+   calibration set (``--calibration``: a GPT and an HF Llama of one shape) fits the host's costs
+   (``smp.planner.fit_host_costs``); the held-out set (``--runs``: a GPT and an HF Llama of
+   another shape, HF BERT and T5) is predicted with the fitted profile: the median step against
+   the predicted one, and every rank's tensor peak (``smp.planner.live.LiveMemory``) against its
+   ledger. ``--save-fit`` keeps the fit in the ``this-machine`` profile.
 3. **Search time**: ``smp.plan`` for a GPT-3 175B-shaped model on `--search-gpus` H100s.
 
-    .venv/bin/python benchmarks/planner.py [--runs 24] [--steps 4] [--skip-search] [--json out.json]
+    .venv/bin/python benchmarks/planner.py [--calibration 32] [--runs 64] [--steps 4] [--save-fit]
+        [--skip-search] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -46,43 +51,86 @@ def full_scale() -> list[dict]:
 
 
 # ---- 2. runs on this machine ---------------------------------------------------------------------
+#
+# Two sets of models: the calibration set's runs fit the host's costs (smp.planner.fit), the
+# held-out set's check the fitted model. No layout, shape or family of the held-out set is
+# fitted on: the calibration models are a GPT and an HF Llama of other shapes; BERT and T5 are
+# held out whole.
 
 
-def _gpt():
+def _gpt(layers=4, hidden=128, heads=4, seq=SEQ):
     from model import GPT, GPTConfig
 
-    return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=128))
+    return GPT(
+        GPTConfig(block_size=seq, vocab_size=VOCAB, n_layer=layers, n_head=heads, n_embd=hidden)
+    )
 
 
-def _llama():
+def _llama(layers=4, hidden=128, seq=SEQ):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=seq,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
 
 
-MODELS = {"gpt": _gpt, "llama": _llama}
+def _bert():
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=256, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+def _t5():
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2,
+        num_heads=4, decoder_start_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+# name: (builder, sequence length, held out)
+MODELS = {
+    "gpt-cal": (lambda: _gpt(layers=3, hidden=96, heads=2, seq=64), 64, False),
+    "llama-cal": (lambda: _llama(layers=3, hidden=96, seq=64), 64, False),
+    "gpt": (_gpt, SEQ, True),
+    "llama": (_llama, SEQ, True),
+    "bert": (_bert, SEQ, True),
+    "t5": (_t5, SEQ, True),
+}
 
 
 def _loss(name, model, ids, labels):
-    if name == "llama":
-        return model(input_ids=ids, labels=labels, use_cache=False).loss
-    from model import lm_loss
+    if name.startswith("gpt"):
+        from model import lm_loss
 
-    return lm_loss(model(ids), labels)
+        return lm_loss(model(ids), labels)
+    extra = {} if name == "bert" else {"use_cache": False}
+    return model(input_ids=ids, labels=labels, **extra).loss
 
 
-def _run(rank: int, name: str, chosen, batch: int, steps: int) -> dict:
+def _run_one(name: str, config: dict, checkpointing: list, batch: int, steps: int) -> dict:
     import smp
+    from smp.memory.activations import set_activation_checkpointing
     from smp.planner.live import LiveMemory
+    from smp.tp.registry import set_tensor_parallelism
 
-    smp.init(chosen.config)
+    smp.init(config)
     torch.manual_seed(0)
-    module = MODELS[name]()
-    chosen.apply(module)
+    build, seq, _ = MODELS[name]
+    module = build()
+    if config.get("tensor_parallel_degree", 1) > 1:  # as Plan.apply
+        set_tensor_parallelism(module, True)
+    for path in checkpointing:
+        set_activation_checkpointing(module.get_submodule(path))
     model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
 
@@ -93,7 +141,7 @@ def _run(rank: int, name: str, chosen, batch: int, steps: int) -> dict:
         return loss
 
     g = torch.Generator().manual_seed(smp.rdp_rank())
-    ids, labels = (torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(2))
+    ids, labels = (torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(2))
 
     def step():
         train_step(model, ids, labels)
@@ -114,82 +162,155 @@ def _run(rank: int, name: str, chosen, batch: int, steps: int) -> dict:
     live = LiveMemory([*model.local_parameters(), *module.buffers(), *state, ids, labels])
     with live:
         step()
-    peaks = [None, None]
+    peaks = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(peaks, live.peak_bytes)
     smp.shutdown()
     return {"seconds": statistics.median(times), "peaks": peaks}
 
 
-def _candidates(name: str, cluster, limit: int) -> list:
+def _run_all(rank: int, jobs: list, steps: int) -> list:
+    """Every job (model name, config, checkpointing, batch) in turn on these processes: one
+    start of the interpreters for a model's layouts."""
+    out = []
+    for name, config, checkpointing, batch in jobs:
+        try:
+            out.append(_run_one(name, config, checkpointing, batch, steps))
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the rest go on
+            out.append({"error": f"{type(exc).__name__}: {exc}"})
+            try:
+                import smp
+
+                smp.shutdown()
+            except Exception:  # noqa: BLE001 - the next job's init reports what is left
+                pass
+    return out
+
+
+def _plans(name: str, cluster):
     import smp
 
-    ids = torch.zeros(2, SEQ, dtype=torch.long)
-    model = MODELS[name]()
-    if name == "llama":
-        example, run = {"input_ids": ids, "labels": ids, "use_cache": False}, None
-    else:
+    build, seq, _ = MODELS[name]
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    model = build()
+    if name.startswith("gpt"):
         from model import lm_loss
 
         example, run = (ids,), (lambda m, x: lm_loss(m(x), ids))
-    plans = smp.plan(
-        model, example, cluster, BATCH, num_devices=2, device="cpu", run=run, max_plans=1000
+    else:
+        extra = {} if name == "bert" else {"use_cache": False}
+        example, run = {"input_ids": ids, "labels": ids, **extra}, None
+    return smp.plan(
+        model, example, cluster, BATCH, num_devices=2, device="cpu", run=run, max_plans=10000
     )
-    # A spread of layouts: every (pp, tp, sharding, schedule, checkpointing) once, at the
-    # smallest and the largest microbatch size.
-    seen, picked = set(), []
-    for p in sorted(plans, key=lambda p: p.predicted["microbatch_size"]):
+
+
+def _spread(plans, limit: int, seed: str) -> list:
+    """``limit`` layouts drawn at random (seeded) from the distinct (pp, tp, sharding, schedule,
+    checkpointing, microbatch size) layouts: no kind or size is favoured."""
+    distinct = {}
+    for p in plans:
         c = p.config
         key = (
             c["pipeline_parallel_degree"], c["tensor_parallel_degree"],
             c.get("shard_optimizer_state", False), c.get("sharded_data_parallel_degree", 1),
-            c.get("pipeline_schedule"), bool(p.checkpointing),
-            p.predicted["microbatch_size"] in (1, 2),
+            c.get("pipeline_schedule"), c.get("pipeline"), bool(p.checkpointing),
+            p.predicted["microbatch_size"],
         )  # fmt: skip
-        if key not in seen:
-            seen.add(key)
-            picked.append(p)
-    return picked[:limit]
+        distinct.setdefault(key, p)
+    keys = sorted(distinct, key=repr)
+    return [distinct[k] for k in random.Random(seed).sample(keys, min(limit, len(keys)))]
 
 
-def runs(limit: int, steps: int) -> list[dict]:
-    from smp.planner import get_cluster
+def _measure(names: list[str], cluster, limit: int, steps: int) -> list[tuple]:
+    """(model name, plan, measured result) for a spread of each model's layouts."""
+    out = []
+    for name in names:
+        picked = _spread(_plans(name, cluster), limit, seed=name)
+        jobs = [
+            (name, p.config, p.checkpointing, BATCH // p.predicted["data_parallel_degree"])
+            for p in picked
+        ]
+        results = run_ranks(_run_all, 2, jobs, steps)
+        out.extend((name, p, got) for p, got in zip(picked, results))
+    return out
+
+
+def _row(name: str, chosen, got: dict, baseline) -> dict:
+    predicted = [ledger["total"] - ledger["reserved"] for ledger in chosen.predicted["ledger"]]
+    row = {
+        "model": name,
+        "plan": chosen.summary().split(":")[0],
+        "config": chosen.config,
+        "predicted_s": chosen.predicted["step_time_s"],
+        "unfitted_s": baseline,
+        "measured_s": got["seconds"],
+        "predicted_peak": predicted,
+        "measured_peak": got["peaks"],
+    }
+    row["time_error"] = row["predicted_s"] / row["measured_s"] - 1
+    row["memory_error"] = [p / m - 1 for p, m in zip(predicted, got["peaks"])]
+    print(
+        f"  {name:9s} {row['plan']:64s} step {row['measured_s'] * 1e3:7.1f} ms "
+        f"(predicted {row['predicted_s'] * 1e3:7.1f}, {row['time_error']:+6.1%}); peak "
+        + ", ".join(
+            f"{m / 2**20:.1f} MiB ({e:+.1%})" for m, e in zip(got["peaks"], row["memory_error"])
+        ),
+        flush=True,
+    )
+    return row
+
+
+def runs(calibration: int, held_out: int, steps: int, save: bool) -> dict:
+    from smp.planner import fit_host_costs, get_cluster
+    from smp.planner.cluster import _this_machine_path
 
     cluster = get_cluster("this-machine", num_devices=2)
-    rows = []
-    for name in MODELS:
-        for chosen in _candidates(name, cluster, limit // len(MODELS)):
-            batch = BATCH // chosen.predicted["data_parallel_degree"]
-            try:
-                got = run_ranks(_run, 2, name, chosen, batch, steps)
-            except Exception as exc:  # noqa: BLE001 - reported in the table, the rest go on
-                print(f"  {name:5s} {chosen.summary().split(':')[0]:62s} FAILED: {exc}", flush=True)
-                rows.append({"model": name, "plan": chosen.summary(), "error": str(exc)})
-                continue
-            predicted = [
-                ledger["total"] - ledger["reserved"] for ledger in chosen.predicted["ledger"]
-            ]
-            row = {
-                "model": name,
-                "plan": chosen.summary().split(":")[0],
-                "config": chosen.config,
-                "predicted_s": chosen.predicted["step_time_s"],
-                "measured_s": got["seconds"],
-                "predicted_peak": predicted,
-                "measured_peak": got["peaks"],
-            }
-            row["time_error"] = row["predicted_s"] / row["measured_s"] - 1
-            row["memory_error"] = [p / m - 1 for p, m in zip(predicted, got["peaks"])]
-            rows.append(row)
-            print(
-                f"  {name:5s} {row['plan']:62s} step {row['measured_s'] * 1e3:7.1f} ms "
-                f"(predicted {row['predicted_s'] * 1e3:7.1f}, {row['time_error']:+6.1%}); peak "
-                + ", ".join(
-                    f"{m / 2**20:.1f} MiB ({e:+.1%})"
-                    for m, e in zip(got["peaks"], row["memory_error"])
-                ),
-                flush=True,
-            )
-    return rows
+    cal_names = [n for n, (_, _, out) in MODELS.items() if not out]
+    test_names = [n for n, (_, _, out) in MODELS.items() if out]
+    print(f"  calibration: {calibration} layouts of {', '.join(cal_names)}", flush=True)
+    measured = _measure(cal_names, cluster, calibration // len(cal_names), steps)
+    failed = [(n, p, g) for n, p, g in measured if "error" in g]
+    for name, p, got in failed:
+        print(f"  {name:9s} {p.summary().split(':')[0]:64s} FAILED: {got['error']}", flush=True)
+    samples = [(p, g["seconds"]) for _, p, g in measured if "error" not in g]
+    fitted, report = fit_host_costs(cluster, samples)
+    coefficients = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in report["coefficients"].items())
+    print(
+        f"  fitted on {report['samples']} runs: {coefficients}; calibration |error| median "
+        f"{report['median_error_before']:.1%} -> {report['median_error']:.1%}, max "
+        f"{report['max_error_before']:.1%} -> {report['max_error']:.1%}",
+        flush=True,
+    )
+    if save:
+        whole = get_cluster("this-machine")
+        dataclasses.replace(whole, host=fitted.host, call_overhead_s=fitted.call_overhead_s).save(
+            _this_machine_path()
+        )
+        print(f"  saved the fitted costs in {_this_machine_path()}", flush=True)
+    rows = [
+        _row(n, p.priced_on(fitted), g, p.predicted["step_time_s"])
+        for n, p, g in measured
+        if "error" not in g
+    ]
+    print(f"  held out: {held_out} layouts of {', '.join(test_names)}", flush=True)
+    tested = _measure(test_names, fitted, held_out // len(test_names), steps)
+    held = []
+    for name, p, got in tested:
+        if "error" in got:
+            print(f"  {name:9s} {p.summary().split(':')[0]:64s} FAILED: {got['error']}", flush=True)
+            continue
+        held.append(_row(name, p, got, p.priced_on(cluster).predicted["step_time_s"]))
+    return {
+        "fit": report,
+        "calibration": rows,
+        "held_out": held,
+        "failed": len(failed) + sum(1 for *_, g in tested if "error" in g),
+    }
+
+
+def _p95(values: list[float]) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)]
 
 
 # ---- 3. search time ------------------------------------------------------------------------------
@@ -215,7 +336,14 @@ def search(gpus: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=24, help="layouts run on this machine")
+    parser.add_argument("--runs", type=int, default=64, help="held-out layouts run here")
+    parser.add_argument(
+        "--calibration", type=int, default=32, help="layouts run here to fit the host's costs"
+    )
+    parser.add_argument(
+        "--save-fit", action="store_true",
+        help="save the fitted host costs in the this-machine profile (smp.plan then uses them)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=4, help="timed steps per layout")
     parser.add_argument("--search-gpus", type=int, default=1024)
     parser.add_argument("--skip-search", action="store_true")
@@ -230,24 +358,30 @@ def main() -> None:
             f"  {row['model']:5s} states {row['states_gib']:7.2f} GiB ({row['states_error']:+.2%})"
             f"  activations {row['activations_gib']:7.2f} GiB ({row['activations_error']:+.2%})"
         )
-    print(f"2. this machine: {args.runs} layouts at world 2, {args.steps} timed steps each")
-    out["runs"] = rows = runs(args.runs, args.steps)
-    failed = [r for r in rows if "error" in r]
-    rows = [r for r in rows if "error" not in r]
-    if failed:
-        print(f"  {len(failed)} layouts failed to run")
-    errors = sorted(abs(r["time_error"]) for r in rows)
-    memory = [e for r in rows for e in r["memory_error"]]
-    under = sum(1 for e in memory if e < 0)
+    print(
+        f"2. this machine: {args.calibration} + {args.runs} layouts at world 2, {args.steps} "
+        "timed steps each"
+    )
+    out["runs"] = result = runs(args.calibration, args.runs, args.steps, args.save_fit)
+    rows = result["held_out"]
+    if result["failed"]:
+        print(f"  {result['failed']} layouts failed to run")
     if rows:
-        p95 = errors[min(len(errors) - 1, math.ceil(0.95 * len(errors)) - 1)]
+        errors = [abs(r["time_error"]) for r in rows]
+        unfitted = [abs(r["unfitted_s"] / r["measured_s"] - 1) for r in rows]
         print(
-            f"  step time |error|: median {statistics.median(errors):.1%}, 95th percentile "
-            f"{p95:.1%} (targets 3 % and 8 %)"
+            f"  step time |error| on {len(rows)} held-out layouts: median "
+            f"{statistics.median(errors):.1%}, 95th percentile {_p95(errors):.1%} (targets 3 % "
+            f"and 8 %; unfitted: {statistics.median(unfitted):.1%} and {_p95(unfitted):.1%})"
         )
+    every = rows + result["calibration"]
+    memory = [e for r in every for e in r["memory_error"]]
+    if memory:
+        under = sum(1 for e in memory if e < 0)
         print(
-            f"  peak memory error per rank: {min(memory):+.1%} to {max(memory):+.1%}; ranks "
-            f"above their ledger: {under} of {len(memory)} (target: none; |error| <= 2 %)"
+            f"  peak memory error per rank, all {len(every)} layouts: {min(memory):+.1%} to "
+            f"{max(memory):+.1%}; ranks above their ledger: {under} of {len(memory)} (target: "
+            "none; |error| <= 2 %)"
         )
     if not args.skip_search:
         out["search"] = found = search(args.search_gpus)

@@ -7,10 +7,12 @@ from smp.planner.cluster import (
     BUILTIN_CLUSTERS,
     Cluster,
     Device,
+    HostCosts,
     Link,
     calibrate_cluster,
     get_cluster,
 )
+from smp.planner.fit import fit_host_costs
 from smp.planner.memory import Ledger, StateBytes, peak_in_flight
 from smp.planner.plan import Plan, Plans, Rejected, plan
 from smp.planner.profile import ModelProfile, ModuleProfile, profile_model
@@ -19,6 +21,7 @@ __all__ = [
     "BUILTIN_CLUSTERS",
     "Cluster",
     "Device",
+    "HostCosts",
     "Ledger",
     "Link",
     "ModelProfile",
@@ -28,6 +31,7 @@ __all__ = [
     "Rejected",
     "StateBytes",
     "calibrate_cluster",
+    "fit_host_costs",
     "get_cluster",
     "peak_in_flight",
     "plan",

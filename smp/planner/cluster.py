@@ -54,6 +54,7 @@ __all__ = [
     "BUILTIN_CLUSTERS",
     "Cluster",
     "Device",
+    "HostCosts",
     "Link",
     "calibrate_cluster",
     "get_cluster",
@@ -206,6 +207,41 @@ class Link:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostCosts:
+    """Host (CPU) time per unit of work that a roofline of the ops does not see: the Python of a
+    module call, autograd's work per node, smp's per-microbatch and per-step machinery, the
+    optimizer's loop over parameter tensors, FSDP2's hooks per unit. Fitted on runs
+    (:func:`smp.planner.fit_host_costs`, Note [The host's costs] in smp.planner.fit); zero
+    until fitted, which is right where kernels queue asynchronously behind longer ones (a GPU
+    at scale) and too fast where the host is the critical path (a CPU rank, a small model).
+
+    Attributes:
+        op_s: per ATen op a module's forward runs, beyond ``Device.op_overhead_s`` (the Python
+            of the torch call that issues it).
+        backward_op_s: per forward ATen op, in the backward (autograd's node for it).
+        module_call_s: per module call, forward (``nn.Module.__call__``, smp's hooks).
+        microbatch_s: per microbatch and stage (forward and backward together).
+        step_s: per step (smp.step's entry and exit, the gradients' bookkeeping).
+        parameter_s: per parameter tensor on a rank and step (the optimizer's per-tensor loop,
+            zeroing, the reduction's buckets).
+        unit_s: per FSDP2 unit and microbatch (its pre- and post-forward and backward hooks).
+    """
+
+    op_s: float = 0.0
+    backward_op_s: float = 0.0
+    module_call_s: float = 0.0
+    microbatch_s: float = 0.0
+    step_s: float = 0.0
+    parameter_s: float = 0.0
+    unit_s: float = 0.0
+
+    def __post_init__(self):
+        negative = {k: v for k, v in dataclasses.asdict(self).items() if not v >= 0}
+        if negative:
+            raise ValueError(f"smp: host costs must be >= 0 seconds, got {negative}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Cluster:
     """``num_devices`` identical devices, ``devices_per_node`` per node, and their links.
 
@@ -224,6 +260,8 @@ class Cluster:
             on each of the two stages, forward and again backward (design.md §4.8: 380-480 us
             per round trip and rank on the development machine; a GPU node's faster host is
             assumed at 300 us until measured).
+        host: the host's costs per module call, op, microbatch, step, parameter tensor and
+            FSDP2 unit (:class:`HostCosts`; fitted, zero until then).
     """
 
     name: str
@@ -236,6 +274,7 @@ class Cluster:
     source: str = ""
     measured: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     call_overhead_s: float = 300e-6
+    host: HostCosts = HostCosts()
 
     def __post_init__(self):
         if self.num_devices < 1 or self.devices_per_node < 1:
@@ -346,6 +385,7 @@ class Cluster:
                 device=device,
                 intra=Link(**data.pop("intra")),
                 inter=Link(**data.pop("inter")),
+                host=HostCosts(**data.pop("host", {})),
                 **data,
             )
         except (KeyError, TypeError) as exc:

@@ -20,10 +20,12 @@ repeated blocks are activation-checkpointed. For each, from one profile of the m
    the backward twice that (plus a forward per checkpointed block), crossings as pipeline sends
    over the group's link; the schedule IR simulates the pipeline with those costs per stage; the
    data-parallel reduction is added where compute does not hide it (the cluster's ``overlap``),
-   and the optimizer's step as memory-bound work.
+   and the optimizer's step as memory-bound work; the host's work the roofline does not see
+   (per op, module call, microbatch, step, parameter tensor, FSDP2 unit) at the cluster's
+   fitted ``HostCosts`` (smp.planner.fit).
 
-Not planned yet (each such candidate is rejected with this reason): tensor parallelism, and
-sharded data parallelism under pipeline parallelism (smp refuses it today).
+Not planned yet (each such candidate is rejected with this reason): sharded data parallelism
+under pipeline parallelism and fp16 with sharded data parallelism (smp refuses both today).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from smp.tp.registry import distribute_marked_modules, set_tensor_parallelism
 __all__ = ["Plan", "Plans", "Rejected", "plan"]
 
 _GIB = 1024**3
+_BUCKET_BYTES = 25 * 1024**2  # smp.DistributedModel's default bucket_cap_mb
 
 
 @dataclasses.dataclass
@@ -72,6 +75,23 @@ class Plan:
     timeline: Timeline | None = dataclasses.field(default=None, repr=False)
     """The predicted pipeline, as smp.last_step_timeline() draws a real one (one rank per
     stage; ``save_chrome_trace`` writes it for Perfetto)."""
+    # _price with everything but the cluster: priced_on's (not pickled; a copy has none)
+    _priced: Callable[..., Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def priced_on(self, cluster: Cluster) -> Plan | Rejected:
+        """The same candidate priced on another profile of its cluster (a calibration, fitted
+        host costs): a new plan, or why it does not fit there. Raises ValueError for a plan
+        that was copied or unpickled (it keeps its inputs in this process only)."""
+        if self._priced is None:
+            raise ValueError(
+                "smp: this plan has no pricing inputs (it was copied or unpickled); plan again"
+            )
+        return self._priced(cluster=cluster, cache={})
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_priced"] = None
+        return state
 
     def apply(self, model: nn.Module) -> None:
         """Prepares ``model`` (not yet wrapped) as planned: marks all of it for tensor
@@ -194,6 +214,31 @@ def _repeated_blocks(model: nn.Module) -> list[str]:
     return [f"{path}.{i}" if path else str(i) for i in range(len(blocks))]
 
 
+def _layers(model: nn.Module) -> list[str]:
+    """Every layer of the model's layer lists (the children of each ``nn.ModuleList`` of two or
+    more: an encoder's and a decoder's blocks alike), for backward's working set."""
+    out = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 2:
+            out.extend(f"{path}.{i}" if path else str(i) for i in range(len(module)))
+    return out
+
+
+def _outside(profile: ModelProfile, layers: Sequence[str]) -> dict[str, int]:
+    """Each module outside every layer, with what its own code saved (the head, the loss)."""
+    inside = set(layers)
+
+    def below_a_layer(name: str) -> bool:
+        parts = name.split(".")
+        return any(".".join(parts[:i]) in inside for i in range(1, len(parts) + 1))
+
+    return {
+        name: record.activation_bytes
+        for name, record in profile.modules.items()
+        if not below_a_layer(name)
+    }
+
+
 def _states(dtype: torch.dtype, optimizer_shards: int, all_shards: int) -> StateBytes:
     """Adam's bytes per parameter as smp holds them: an fp32 model 4 + 4 + 8; a 16-bit one its
     weights and gradients plus fp32 masters with their gradients and the moments (2 + 2 + 16)."""
@@ -305,6 +350,7 @@ def plan(
             say(profile.sampled)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     blocks = _repeated_blocks(model)
+    layers = _layers(model)
     flops_per_sample = sum(f for r in profile.modules.values() for f, _, _ in r.ops) / example_batch
     n = target.num_devices
     plans: list[Plan] = []
@@ -350,7 +396,7 @@ def plan(
             if isinstance(partition, Exception):
                 rejected.append(Rejected(base, f"cannot partition into {pp} stages: {partition}"))
                 continue
-            stage_totals = _stage_facts(ranked, partition, blocks, pp)
+            stage_totals = _stage_facts(ranked, partition, blocks, layers, pp)
             per_replica = global_batch // dp
             sizes = microbatch_sizes or [s for s in _divisors(per_replica) if s & (s - 1) == 0]
             for mbs in sizes:
@@ -487,30 +533,57 @@ def _stage_modules(partition, pp: int, cache: dict) -> list[list[str]]:
     return cache[key][1]
 
 
-def _stage_facts(profile: ModelProfile, partition, blocks: list[str], pp: int) -> list[dict]:
+def _stage_facts(
+    profile: ModelProfile, partition, blocks: list[str], layers: list[str], pp: int
+) -> list[dict]:
     """Per stage of a partition, what every candidate on it reads: ``ModelProfile.stage_totals``,
-    ``message_bytes`` (``ModelProfile.message_bytes``), and of the repeated blocks it holds,
+    ``message_bytes`` (``ModelProfile.message_bytes``), ``working_set`` (backward's, one
+    microbatch at a time: the largest of its layers' saved activations, or of what a module
+    outside the layers saved itself, such as a head's loss; the whole stage's without layers),
+    and of the repeated blocks it holds,
     ``blocks`` (their paths), ``block_activation`` (the largest one's saved bytes),
     ``blocks_activation`` and ``blocks_input`` (all of theirs), ``recompute_ops`` (their ops,
     run again when checkpointed) and ``gathered`` (what FSDP2 holds whole beyond the shards,
     smp.dp.sharded: the blocks are units, the rest of the model one more, resharded after
     forward; the root unit's parameters for the whole step with their gradients before the
-    reduce-scatter, and two blocks' parameters, the one running and the one prefetched, with
-    one block's gradients)."""
+    reduce-scatter, two blocks' parameters, the one running and the one prefetched, with one
+    block's gradients, and the flat copies of the gradients of two units' reduce-scatters in
+    flight, each at most the largest unit's: measured, a GPT at one microbatch ran 3.7 % over
+    without them, 1.6 % over with one)."""
     totals = profile.stage_totals(partition.assignment, pp)
     messages = profile.message_bytes(partition.assignment, pp)
+    outside = _outside(profile, layers)
     for stage, facts in enumerate(totals):
         facts["message_bytes"] = messages[stage]
+        mine = [x for x in layers if partition.assignment.get(x, 0) == stage]
+        facts["working_set"] = (
+            max(
+                max(profile.activation_bytes(x) for x in mine),
+                max(
+                    (
+                        n
+                        for name, n in outside.items()
+                        if partition.assignment.get(name, 0) == stage
+                    ),
+                    default=0,
+                ),
+            )
+            if mine
+            else facts["activation_bytes"]
+        )
         own = [b for b in blocks if partition.assignment.get(b) == stage]
         facts["blocks"] = own
         facts["block_activation"] = max((profile.activation_bytes(b) for b in own), default=0)
         facts["blocks_activation"] = profile.activation_bytes(own) if own else 0
         facts["blocks_input"] = sum(profile.traces[b].input_bytes for b in own)
         facts["recompute_ops"] = sum((profile.ops(b) for b in own), Counter())
+        facts["recompute_calls"] = profile.calls(own) if own else 0
+        facts["op_count"] = sum(facts["ops"].values())
+        facts["recompute_op_count"] = sum(facts["recompute_ops"].values())
         block = max((profile.parameter_bytes(b) for b in own), default=0)
         on_stage = facts["parameter_bytes"]
         root = on_stage - profile.parameter_bytes(own) if own else on_stage
-        facts["gathered"] = float(2 * root + 3 * block)
+        facts["gathered"] = float(2 * root + 3 * block + 2 * max(root, block))
     return totals
 
 
@@ -555,7 +628,11 @@ def _price(
     if pp == 1:
         in_flight = [1]
     elif config["pipeline"] == "static":
-        in_flight = peak_in_flight(schedule, pp, m)
+        # The leader admits a microbatch once every earlier B of its program has finished, and
+        # a stage runs whatever task is ready (design.md §4.5): a stage waiting for a
+        # backward's gradient runs the next forward, so any stage may hold as many as the
+        # program's fullest (measured: an HF T5's last stage under 1F1B held two at pp 2).
+        in_flight = [max(peak_in_flight(schedule, pp, m))] * pp
     else:  # the dynamic policy may hold every active microbatch on any stage
         in_flight = [min(pp + 2, m)] * pp
     # Per stage: forward seconds, activation bytes per microbatch, parameters.
@@ -567,23 +644,39 @@ def _price(
         for stage in link.stages:
             calls[stage] += link.calls
     backward: list[float] = []
+    host = cluster.host
     for stage in range(pp):
         totals = stage_totals[stage]
         comm = totals["collectives"]
         runtime = calls[stage] * cluster.call_overhead_s  # the pipeline runtime's host CPU
         compute = _seconds(device, totals["ops"], scale, cache)
-        forward.append(compute + _tp_seconds(cluster, comm, tp, scale, _FORWARD, cache) + runtime)
+        # The host's work per microbatch (Note [The host's costs] in smp.planner.fit), half of
+        # the per-microbatch cost with each direction.
+        ops = totals["op_count"]
+        forward_host = (
+            host.op_s * ops + host.module_call_s * totals["calls"] + host.microbatch_s / 2
+        )
+        backward_host = host.backward_op_s * ops + host.microbatch_s / 2
+        forward.append(
+            compute
+            + _tp_seconds(cluster, comm, tp, scale, _FORWARD, cache)
+            + runtime
+            + forward_host
+        )
         # Backward: twice the forward's compute, the TP collectives' backward, the runtime.
         backward.append(
-            2 * compute + _tp_seconds(cluster, comm, tp, scale, _BACKWARD, cache) + runtime
+            2 * compute
+            + _tp_seconds(cluster, comm, tp, scale, _BACKWARD, cache)
+            + runtime
+            + backward_host
         )
         params.append(totals["parameter_bytes"] / element)
         own = totals["blocks"]
         # Backward's working set, one microbatch at a time: the gradients flowing through a
-        # block and the ones it makes are at most its saved activations again; a margin until
-        # it is measured (design.md §13.3). Without blocks here: the stage's whole microbatch.
+        # layer and the ones it makes are at most its saved activations again (design.md
+        # §13.3). Without layers here: the stage's whole microbatch.
         block = totals["block_activation"]
-        margin = block if own else totals["activation_bytes"]
+        margin = totals["working_set"]
         if checkpointed and own:
             # A checkpointed block keeps its inputs; one block at a time holds its activations
             # again while it is recomputed (not per microbatch in flight).
@@ -595,7 +688,11 @@ def _price(
         else:
             activations.append((totals["activation_bytes"] * scale, margin * scale))
     recompute = [
-        _seconds(device, totals["recompute_ops"], scale, cache) if checkpointed else 0.0
+        _seconds(device, totals["recompute_ops"], scale, cache)
+        + host.op_s * totals["recompute_op_count"]
+        + host.module_call_s * totals["recompute_calls"]
+        if checkpointed
+        else 0.0
         for totals in stage_totals
     ]
     gathered = [t["gathered"] if sdp > 1 else 0.0 for t in stage_totals]
@@ -624,6 +721,17 @@ def _price(
         split = schedule == "zbh1" or (config["pipeline"] != "static" and stage > 0)
         if checkpointed and pp > 1 and split:
             transient += stage_totals[stage]["blocks_activation"] * scale * min(pp, m)
+        # The optimizer's step, after the activations are gone: the update's temporaries (two
+        # of the largest parameter, as torch's single-tensor AdamW makes) and, under ZeRO-1,
+        # the flat buffers of the owners' broadcast (smp.dp.optimizer_state: the one this rank
+        # sent and the one it receives into, each at most a rank's share and the bucket).
+        after = 2 * stage_totals[stage]["largest_parameter"]
+        if config.get("shard_optimizer_state") and dp > 1:
+            share = params[stage] * states.weight / dp + stage_totals[stage]["largest_parameter"]
+            after += 2 * min(share, _BUCKET_BYTES)
+        if dp > 1 and sdp == 1:  # the reduction's flat bucket of gradients, late in backward
+            transient += min(params[stage] * states.gradient, _BUCKET_BYTES)
+        transient = max(transient, after - kept * in_flight[stage])
         ledgers.append(
             Ledger.of(
                 num_parameters=params[stage],
@@ -687,17 +795,22 @@ def _price(
             for u in [*units, rest]
             if u > 0
         )
+        fsdp_host = m * host.unit_s * sum(1 for u in [*units, rest] if u > 0)
     elif config.get("shard_optimizer_state"):
+        fsdp_host = 0.0
         comm = cluster.reduce_scatter_time(grad_bytes, dp, pp * tp) + cluster.all_gather_time(
             max(params) * states.weight, dp, pp * tp
         )
     else:
+        fsdp_host = 0.0
         comm = cluster.all_reduce_time(grad_bytes, dp, pp * tp)
     exposed = (1 - cluster.overlap) * comm
     optimizer = device.memory_time(
         max(params) / states.optimizer_shards * 2 * (states.optimizer + 8)
     )
-    step = makespan + exposed + optimizer
+    tensors = max(totals["parameter_tensors"] for totals in stage_totals)
+    optimizer += host.step_s + host.parameter_s * tensors
+    step = makespan + exposed + optimizer + fsdp_host
     # Model FLOPs: the whole model's forward matmuls per sample, three times (forward and
     # backward).
     peak = device.flops_per_second(DTYPE_NAMES.get(dtype, "fp32")) * cluster.num_devices
@@ -722,6 +835,24 @@ def _price(
         },
         stages=_stage_modules(partition, pp, cache) if pp > 1 else [["<whole model>"]],
         timeline=Timeline(pieces),
+        _priced=functools.partial(
+            _price,
+            profile,
+            partition=partition,
+            stage_totals=stage_totals,
+            config=config,
+            dtype=dtype,
+            scale=scale,
+            mbs=mbs,
+            m=m,
+            dp=dp,
+            pp=pp,
+            schedule=schedule,
+            blocks=blocks,
+            checkpointed=checkpointed,
+            global_batch=global_batch,
+            model_flops_per_sample=model_flops_per_sample,
+        ),  # fmt: skip
     )
 
 

@@ -56,6 +56,8 @@ class ModuleProfile:
     (matmul FLOPs, bytes read and written, dtype name) per ATen op its own code ran."""
 
     parameter_bytes: int = 0
+    parameter_tensors: int = 0
+    largest_parameter: int = 0  # bytes of its largest parameter
     activation_bytes: int = 0
     ops: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
     # tensor-parallel primitives its own code ran, (name, bytes of the whole buffer)
@@ -107,10 +109,14 @@ class ModelProfile:
         ``PartitionPlan.assignment``), what its modules' own code holds and runs: parameter
         bytes, saved activation bytes (a storage saved on several stages counts on each), their
         ops (a ``Counter``: each distinct op and how often it runs; repeated blocks run the
-        same ops) and their tensor-parallel collectives (a ``Counter`` too)."""
+        same ops), their tensor-parallel collectives (a ``Counter`` too), and for the host's
+        costs the parameter tensors and the module calls per forward."""
         totals = [
             {
                 "parameter_bytes": 0,
+                "parameter_tensors": 0,
+                "largest_parameter": 0,
+                "calls": 0,
                 "activation_bytes": 0,
                 "ops": Counter(),
                 "collectives": Counter(),
@@ -120,6 +126,12 @@ class ModelProfile:
         for name, record in self.modules.items():
             stage = assignment.get(name, 0)
             totals[stage]["parameter_bytes"] += record.parameter_bytes
+            totals[stage]["parameter_tensors"] += record.parameter_tensors
+            totals[stage]["largest_parameter"] = max(
+                totals[stage]["largest_parameter"], record.largest_parameter
+            )
+            trace = self.traces.get(name)
+            totals[stage]["calls"] += trace.calls if trace is not None else 0
             totals[stage]["ops"].update(record.ops)
             totals[stage]["collectives"].update(record.collectives)
         for nbytes, owners in self.saved:
@@ -135,6 +147,14 @@ class ModelProfile:
             self._sums[key] = Counter(
                 op for name, r in self.modules.items() if inside(name) for op in r.ops
             )
+        return self._sums[key]
+
+    def calls(self, paths: str | Sequence[str] = "") -> int:
+        """Module calls per traced forward in the subtrees of ``paths``."""
+        key = ("calls", paths if isinstance(paths, str) else tuple(paths))
+        if key not in self._sums:
+            inside = self._within(paths)
+            self._sums[key] = sum(t.calls for name, t in self.traces.items() if inside(name))
         return self._sums[key]
 
     def message_bytes(self, assignment: Mapping[str, int], num_stages: int) -> list[int]:
@@ -471,7 +491,7 @@ def _sampled(
     names = [name for name, _ in model.named_modules()]
     profile = _extend(large, names, prefix, more, n, period)
     for record in profile.modules.values():
-        record.parameter_bytes = 0
+        record.parameter_bytes = record.parameter_tensors = record.largest_parameter = 0
     _count_parameters(model, profile.modules)
     profile.sampled = f"{more} of {n} blocks of {where} traced (period {period} from block {start})"
     return profile
@@ -499,6 +519,8 @@ def _count_parameters(model: nn.Module, records: Mapping[str, ModuleProfile]) ->
             if id(p) not in seen:
                 seen.add(id(p))
                 records[name].parameter_bytes += _bytes(p)
+                records[name].parameter_tensors += 1
+                records[name].largest_parameter = max(records[name].largest_parameter, _bytes(p))
 
 
 def _trace(model, args, kwargs, run, device) -> ModelProfile:
