@@ -108,29 +108,28 @@ MODELS = {
 }
 
 
+def _hf_inputs(name: str, ids, labels) -> dict:
+    """The keyword arguments of a Hugging Face model that computes its own loss."""
+    return {"input_ids": ids, "labels": labels, **({} if name == "bert" else {"use_cache": False})}
+
+
 def _loss(name, model, ids, labels):
     if name.startswith("gpt"):
         from model import lm_loss
 
         return lm_loss(model(ids), labels)
-    extra = {} if name == "bert" else {"use_cache": False}
-    return model(input_ids=ids, labels=labels, **extra).loss
+    return model(**_hf_inputs(name, ids, labels)).loss
 
 
-def _run_one(name: str, config: dict, checkpointing: list, batch: int, steps: int) -> dict:
+def _run_one(name: str, chosen, batch: int, steps: int) -> dict:
     import smp
-    from smp.memory.activations import set_activation_checkpointing
     from smp.planner.live import LiveMemory
-    from smp.tp.registry import set_tensor_parallelism
 
-    smp.init(config)
+    smp.init(chosen.config)
     torch.manual_seed(0)
     build, seq, _ = MODELS[name]
     module = build()
-    if config.get("tensor_parallel_degree", 1) > 1:  # as Plan.apply
-        set_tensor_parallelism(module, True)
-    for path in checkpointing:
-        set_activation_checkpointing(module.get_submodule(path))
+    chosen.apply(module)
     model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
 
@@ -169,12 +168,12 @@ def _run_one(name: str, config: dict, checkpointing: list, batch: int, steps: in
 
 
 def _run_all(rank: int, jobs: list, steps: int) -> list:
-    """Every job (model name, config, checkpointing, batch) in turn on these processes: one
-    start of the interpreters for a model's layouts."""
+    """Every job (model name, plan, batch) in turn on these processes: one start of the
+    interpreters for a model's layouts."""
     out = []
-    for name, config, checkpointing, batch in jobs:
+    for name, chosen, batch in jobs:
         try:
-            out.append(_run_one(name, config, checkpointing, batch, steps))
+            out.append(_run_one(name, chosen, batch, steps))
         except Exception as exc:  # noqa: BLE001 - reported in the table, the rest go on
             out.append({"error": f"{type(exc).__name__}: {exc}"})
             try:
@@ -197,8 +196,7 @@ def _plans(name: str, cluster):
 
         example, run = (ids,), (lambda m, x: lm_loss(m(x), ids))
     else:
-        extra = {} if name == "bert" else {"use_cache": False}
-        example, run = {"input_ids": ids, "labels": ids, **extra}, None
+        example, run = _hf_inputs(name, ids, ids), None
     return smp.plan(
         model, example, cluster, BATCH, num_devices=2, device="cpu", run=run, max_plans=10000
     )
@@ -226,10 +224,8 @@ def _measure(names: list[str], cluster, limit: int, steps: int) -> list[tuple]:
     out = []
     for name in names:
         picked = _spread(_plans(name, cluster), limit, seed=name)
-        jobs = [
-            (name, p.config, p.checkpointing, BATCH // p.predicted["data_parallel_degree"])
-            for p in picked
-        ]
+        # (a plan pickles without its pricing inputs, which stay here)
+        jobs = [(name, p, BATCH // p.predicted["data_parallel_degree"]) for p in picked]
         results = run_ranks(_run_all, 2, jobs, steps)
         out.extend((name, p, got) for p, got in zip(picked, results))
     return out

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from smp.planner.cluster import Cluster
+from smp.planner.plan import Rejected
 
 __all__ = ["fit_host_costs"]
 
@@ -151,7 +152,7 @@ def fit_host_costs(
         for plan in plans:
             got = plan.priced_on(candidate)
             # a profile whose costs make a plan not fit prices it as infinitely slow
-            out.append(got.predicted["step_time_s"] if hasattr(got, "predicted") else math.inf)
+            out.append(math.inf if isinstance(got, Rejected) else got.predicted["step_time_s"])
         return out
 
     def loss(times: list[float]) -> float:

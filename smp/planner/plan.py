@@ -552,24 +552,21 @@ def _stage_facts(
     without them, 1.6 % over with one)."""
     totals = profile.stage_totals(partition.assignment, pp)
     messages = profile.message_bytes(partition.assignment, pp)
-    outside = _outside(profile, layers)
+    # Per stage: its largest layer's activations (None without layers), and the most a module
+    # outside the layers saved itself.
+    largest_layer: list[int | None] = [None] * pp
+    for x in layers:
+        stage = partition.assignment.get(x, 0)
+        largest_layer[stage] = max(largest_layer[stage] or 0, profile.activation_bytes(x))
+    largest_own = [0] * pp
+    for name, nbytes in _outside(profile, layers).items():
+        stage = partition.assignment.get(name, 0)
+        largest_own[stage] = max(largest_own[stage], nbytes)
     for stage, facts in enumerate(totals):
         facts["message_bytes"] = messages[stage]
-        mine = [x for x in layers if partition.assignment.get(x, 0) == stage]
+        layer = largest_layer[stage]
         facts["working_set"] = (
-            max(
-                max(profile.activation_bytes(x) for x in mine),
-                max(
-                    (
-                        n
-                        for name, n in outside.items()
-                        if partition.assignment.get(name, 0) == stage
-                    ),
-                    default=0,
-                ),
-            )
-            if mine
-            else facts["activation_bytes"]
+            facts["activation_bytes"] if layer is None else max(layer, largest_own[stage])
         )
         own = [b for b in blocks if partition.assignment.get(b) == stage]
         facts["blocks"] = own
@@ -784,6 +781,7 @@ def _price(
             pieces[0].append(TimedAction(f"0F{mb}", start, start + forward[0]))
             pieces[0].append(TimedAction(f"0B{mb}", start + forward[0], start + forward[0] + whole))
     grad_bytes = max(params) * states.gradient
+    fsdp_host = 0.0  # FSDP2's hooks, per unit and microbatch
     if sdp > 1:
         # FSDP2 gathers each unit (the blocks, then the rest) forward and again backward, and
         # reduce-scatters its gradients, for every microbatch: a latency per unit and step.
@@ -797,12 +795,10 @@ def _price(
         )
         fsdp_host = m * host.unit_s * sum(1 for u in [*units, rest] if u > 0)
     elif config.get("shard_optimizer_state"):
-        fsdp_host = 0.0
         comm = cluster.reduce_scatter_time(grad_bytes, dp, pp * tp) + cluster.all_gather_time(
             max(params) * states.weight, dp, pp * tp
         )
     else:
-        fsdp_host = 0.0
         comm = cluster.all_reduce_time(grad_bytes, dp, pp * tp)
     exposed = (1 - cluster.overlap) * comm
     optimizer = device.memory_time(
